@@ -1,0 +1,32 @@
+"""`walk`: the public entry point, binding the `markov_walk` primitive."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import arguments, primitive
+from .result import WalkResult, to_result
+
+
+def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
+         logit_scale=1.0, d2t=None, return_logits=False, logits_dtype=jnp.float32, return_embeds=False,
+         impl="auto") -> WalkResult:
+    """Draft K tokens per request with the DSpark Markov walk (SPEC.md), in one primitive.
+
+    base_logits: [B, K, V] block-drafter logits (bf16/f16/f32); row k predicts draft token k.
+    anchor: [B] last committed (target-vocabulary) token of each request; clamped into [0, V_target).
+    head: a MarkovHead (float W2) or a QuantizedMarkovHead (int8 W2, see `quantize`).
+    temperature: [B] float32 (or a scalar), 0 = greedy; None = every row greedy.
+    key: one PRNG key per request ([B] typed keys or [B, 2] uint32), required with temperature.
+    position: [B] sequence position of each request's first draft token, required with temperature.
+    vocab_size: columns >= vocab_size are padding, never chosen, -inf in the logits.
+    logit_scale: static float multiplying the Markov bias.
+    d2t: [V] int offsets of a reduced draft vocabulary: target id = draft id + d2t[draft id].
+    return_logits / logits_dtype: also return l_k, rounded to logits_dtype before choosing.
+    return_embeds: also return W1[prev_k], the confidence head's input.
+    impl: "auto" (fastest supported), "reference" (pure JAX) or "ffi" (custom call, or an error).
+    """
+    ops, params = arguments.normalize(
+        base_logits, anchor, head, temperature=temperature, key=key, position=position,
+        vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
+        logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
+    return to_result(primitive.bind(ops, params), params)

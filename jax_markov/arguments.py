@@ -1,0 +1,168 @@
+"""Checks and normalises the arguments of `walk` once, for every implementation.
+
+Every error is raised at trace time and names the argument and the limit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .head import FLOAT_DTYPES, MarkovHead, QuantizedMarkovHead
+
+IMPLS = ("auto", "reference", "ffi")
+
+
+class WalkOperands(NamedTuple):
+    """The arrays of one walk, in the order the custom calls take them.
+
+    w2_scale is float32 [V] for an int8 head and float32 [0] for a float head;
+    d2t is int32 [V] or int32 [0] when no draft-to-target map is given.
+    """
+
+    base_logits: jax.Array  # [B, K, V] bf16/f16/f32
+    anchor: jax.Array  # [B] int32 (clamped into [0, V_target) where it is used)
+    w1: jax.Array  # [V_target, r] bf16/f16/f32
+    w2: jax.Array  # [V, r] int8 or bf16/f16/f32
+    w2_scale: jax.Array  # [V] or [0] float32
+    temperature: jax.Array  # [B] float32, <= 0 (or NaN) means greedy
+    key: jax.Array  # [B, 2] uint32 Philox key words
+    position: jax.Array  # [B] int32
+    d2t: jax.Array  # [V] or [0] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkParams:
+    """Static configuration of one walk (hashable: it becomes primitive parameters)."""
+
+    vocab_size: int
+    logit_scale: float
+    sampling: bool  # temperature was given: some rows may be sampled
+    return_logits: bool
+    logits_dtype: jnp.dtype
+    return_embeds: bool
+    impl: str
+
+
+def _dtype_name(d) -> str:
+    return jnp.dtype(d).name
+
+
+def _per_request(name: str, x, batch: int, dtype, kinds: str):
+    x = jnp.asarray(x)
+    if x.dtype.kind not in kinds:
+        raise TypeError(f"{name} must be {'an integer' if kinds == 'iu' else 'a float'} array, got {x.dtype}")
+    if x.ndim == 0:
+        x = jnp.broadcast_to(x, (batch,))
+    if x.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}] (or be a scalar), got {list(x.shape)}")
+    return x.astype(dtype)
+
+
+def _key_words(key, batch: int):
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != (batch,):
+            raise ValueError(f"key must hold one PRNG key per request, shape [B] = [{batch}], got {list(key.shape)}")
+        key = jax.random.key_data(key)
+        if key.shape != (batch, 2):
+            raise ValueError(f"key must be a two-word PRNG key (threefry2x32 style); its data has shape {list(key.shape)}")
+    if key.dtype != jnp.uint32 or key.shape != (batch, 2):
+        raise ValueError(f"key must be [B] typed PRNG keys or their [B, 2] uint32 data with B = {batch}, "
+                         f"got {key.dtype}{list(key.shape)}")
+    return key
+
+
+def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_size, logit_scale,
+              d2t, return_logits, logits_dtype, return_embeds, impl) -> tuple[WalkOperands, WalkParams]:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(head, MarkovHead):
+        w1, w2 = head.w1, head.w2
+        w2_scale = jnp.zeros((0,), jnp.float32)
+        if w2.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+            raise TypeError(f"head.w2 must be bfloat16, float16 or float32, got {w2.dtype}")
+    elif isinstance(head, QuantizedMarkovHead):
+        w1, w2, w2_scale = head.w1, head.q, head.scale
+    else:
+        raise TypeError(f"head must be a MarkovHead or a QuantizedMarkovHead, got {type(head).__name__}")
+    if w1.ndim != 2 or w1.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"head.w1 must be a [V_target, r] bfloat16/float16/float32 array, got {w1.dtype}{list(w1.shape)}")
+    v_target, rank = w1.shape
+    if w2.ndim != 2 or w2.shape[1] != rank:
+        raise ValueError(f"head W2 must be [V, r] with r = {rank} (the rank of w1), got {list(w2.shape)}")
+    if v_target < 1 or rank < 1:
+        raise ValueError(f"head.w1 must be non-empty, got shape {list(w1.shape)}")
+
+    base_logits = jnp.asarray(base_logits) if not isinstance(base_logits, jax.Array) else base_logits
+    if base_logits.ndim != 3:
+        raise ValueError(f"base_logits must be [B, K, V], got rank {base_logits.ndim} shape {list(base_logits.shape)}")
+    if base_logits.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"base_logits must be bfloat16, float16 or float32, got {base_logits.dtype}")
+    batch, steps, vocab = base_logits.shape
+    if batch < 1 or steps < 1:
+        raise ValueError(f"base_logits must have B >= 1 and K >= 1, got shape {list(base_logits.shape)}")
+    if vocab != w2.shape[0]:
+        raise ValueError(f"base_logits vocabulary V = {vocab} must equal the head's draft vocabulary {w2.shape[0]}")
+
+    anchor = _per_request("anchor", anchor, batch, jnp.int32, "iu")
+
+    if vocab_size is None:
+        vocab_size = vocab
+    if not isinstance(vocab_size, int | np.integer) or not 1 <= int(vocab_size) <= vocab:
+        raise ValueError(f"vocab_size must be a static int in [1, V = {vocab}], got {vocab_size!r}")
+
+    try:
+        logit_scale = float(logit_scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"logit_scale must be a static Python float, got {logit_scale!r}") from e
+
+    sampling = temperature is not None
+    if sampling:
+        if key is None:
+            raise ValueError("key is required when temperature is given (one PRNG key per request)")
+        if position is None:
+            raise ValueError("position is required when temperature is given (the sequence position of "
+                             "each request's first draft token)")
+        temperature = _per_request("temperature", temperature, batch, jnp.float32, "f")
+        key = _key_words(key, batch)
+        position = _per_request("position", position, batch, jnp.int32, "iu")
+    else:
+        if key is not None or position is not None:
+            raise ValueError("key and position are only used with temperature; pass temperature "
+                             "(0 for greedy rows) to sample")
+        temperature = jnp.zeros((batch,), jnp.float32)
+        key = jnp.zeros((batch, 2), jnp.uint32)
+        position = jnp.zeros((batch,), jnp.int32)
+
+    if d2t is None:
+        d2t = jnp.zeros((0,), jnp.int32)
+    else:
+        d2t = jnp.asarray(d2t)
+        if d2t.dtype.kind not in "iu" or d2t.shape != (vocab,):
+            raise ValueError(f"d2t must be an integer array [V] = [{vocab}] (target id = draft id + d2t[id]), "
+                             f"got {d2t.dtype}{list(d2t.shape)}")
+        d2t = d2t.astype(jnp.int32)
+
+    logits_dtype = jnp.dtype(logits_dtype)
+    if logits_dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"logits_dtype must be float32, bfloat16 or float16, got {logits_dtype}")
+
+    operands = WalkOperands(base_logits, anchor, w1, w2, w2_scale, temperature, key, position, d2t)
+    params = WalkParams(vocab_size=int(vocab_size), logit_scale=logit_scale, sampling=sampling,
+                        return_logits=bool(return_logits), logits_dtype=logits_dtype,
+                        return_embeds=bool(return_embeds), impl=impl)
+    return operands, params
+
+
+def output_shapes(ops: WalkOperands, params: WalkParams):
+    """ShapeDtypeStructs of (tokens, logits, embeds); unrequested outputs have shape [0]."""
+    batch, steps, vocab = ops.base_logits.shape
+    rank = ops.w1.shape[1]
+    tokens = jax.ShapeDtypeStruct((batch, steps), jnp.int32)
+    logits = jax.ShapeDtypeStruct((batch, steps, vocab) if params.return_logits else (0,), params.logits_dtype)
+    embeds = jax.ShapeDtypeStruct((batch, steps, rank) if params.return_embeds else (0,), ops.w1.dtype)
+    return tokens, logits, embeds

@@ -1,0 +1,104 @@
+"""The Markov head as pytrees: float weights, and the int8 layout every fast path reads."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, repr=False)
+class MarkovHead:
+    """DSpark low-rank Markov head: bias = logit_scale * (w2 @ w1[prev]).
+
+    w1: [V_target, r] embedding of the previous (target-vocabulary) token.
+    w2: [V_draft, r] projection onto the draft vocabulary.
+    """
+
+    w1: jax.Array
+    w2: jax.Array
+
+
+    @property
+    def rank(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.w2.shape[0]
+
+    @property
+    def target_vocab(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w1.nbytes + self.w2.nbytes
+
+    def __repr__(self):
+        return (f"MarkovHead(w1={self.w1.dtype}{list(self.w1.shape)}, w2={self.w2.dtype}{list(self.w2.shape)}, "
+                f"memory={_mib(self.nbytes)})")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, repr=False)
+class QuantizedMarkovHead:
+    """Markov head with W2 in int8, one fp32 scale per row: W2[v, j] = q[v, j] * scale[v].
+
+    The [V, r] row-major int8 layout is what the CPU and CUDA custom calls read directly:
+    one row of r = 256 int8 values is 256 contiguous bytes.
+    """
+
+    w1: jax.Array
+    q: jax.Array
+    scale: jax.Array
+
+
+    @property
+    def rank(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def target_vocab(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w1.nbytes + self.q.nbytes + self.scale.nbytes
+
+    def dequantized_w2(self) -> jax.Array:
+        """W2 as the walk uses it, in float32 (for inspection and tests; the walk never builds it)."""
+        return self.q.astype(jnp.float32) * self.scale[:, None]
+
+    def __repr__(self):
+        w2_bytes = self.q.nbytes + self.scale.nbytes
+        return (f"QuantizedMarkovHead(w1={self.w1.dtype}{list(self.w1.shape)}, q=int8{list(self.q.shape)}, "
+                f"scale=float32[{self.scale.shape[0]}], w2 memory={_mib(w2_bytes)}, "
+                f"total memory={_mib(self.nbytes)})")
+
+
+def quantize(head: MarkovHead) -> QuantizedMarkovHead:
+    """int8 W2 with one fp32 scale per row, exactly as SPEC.md: scale = max|row| / 127
+    (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127]."""
+    if isinstance(head, QuantizedMarkovHead):
+        return head
+    if not isinstance(head, MarkovHead):
+        raise TypeError(f"quantize expects a MarkovHead, got {type(head).__name__}")
+    if head.w2.ndim != 2 or head.w2.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"head.w2 must be a [V, r] bfloat16/float16/float32 array, got {head.w2.dtype}{list(head.w2.shape)}")
+    w2 = head.w2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w2), axis=1)
+    scale = jnp.where(amax > 0, amax / jnp.float32(127.0), jnp.float32(1.0))
+    q = jnp.clip(jnp.round(w2 / scale[:, None]), -127, 127).astype(jnp.int8)
+    return QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)

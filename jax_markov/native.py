@@ -1,0 +1,81 @@
+"""Loads the compiled custom calls and says which configurations each one supports.
+
+The CPU module is always built; the CUDA module only where nvcc was found. Either may be
+missing (a source checkout without a build): then `impl="auto"` uses the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+TARGET = "jax_markov_walk"
+
+try:
+    from . import _markov_cpu
+except ImportError:  # not built
+    _markov_cpu = None
+
+try:
+    from . import _markov_cuda
+except ImportError:  # built without nvcc, or no CUDA runtime on this machine
+    _markov_cuda = None
+
+if _markov_cpu is not None:
+    jax.ffi.register_ffi_target(TARGET, _markov_cpu.handler(), platform="cpu")
+if _markov_cuda is not None:
+    jax.ffi.register_ffi_target(TARGET, _markov_cuda.handler(), platform="CUDA")
+
+# The CUDA kernel's envelope (see ffi/cuda/markov_walk.cu).
+CUDA_RANK = 256
+CUDA_MAX_STEPS = 16
+CUDA_MAX_BATCH = {np.dtype("float32"): 64}  # fp32 W1 needs two fp16 columns per request
+CUDA_MAX_BATCH_DEFAULT = 128
+CUDA_MIN_CAPABILITY = (9, 0)
+# Where no GPU can be asked (lowering for "cuda" on a CPU-only machine): an H100/H200.
+_ASSUMED_GPU = {"sm_count": 132, "smem_per_block": 232448, "l2_bytes": 50 * 2**20, "major": 9, "minor": 0,
+                "cooperative": True}
+
+
+def cpu_available() -> bool:
+    return _markov_cpu is not None
+
+
+def cuda_available() -> bool:
+    return _markov_cuda is not None
+
+
+@functools.cache
+def _gpu_properties() -> dict:
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        gpus = []
+    if not gpus or _markov_cuda is None:
+        return _ASSUMED_GPU
+    return dict(_markov_cuda.device_properties(gpus[0].local_hardware_id))
+
+
+def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype) -> str | None:
+    """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can."""
+    if _markov_cuda is None:
+        return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
+    props = _gpu_properties()
+    if (props["major"], props["minor"]) < CUDA_MIN_CAPABILITY or props["major"] != 9:
+        return f"the CUDA kernel needs an sm_90 GPU, this one is sm_{props['major']}{props['minor']}"
+    if not props["cooperative"]:
+        return "the GPU does not support cooperative launches"
+    if rank != CUDA_RANK:
+        return f"the CUDA kernel needs rank r = {CUDA_RANK}, got {rank}"
+    if steps > CUDA_MAX_STEPS:
+        return f"the CUDA kernel walks at most K = {CUDA_MAX_STEPS} steps, got {steps}"
+    max_batch = CUDA_MAX_BATCH.get(np.dtype(w1_dtype), CUDA_MAX_BATCH_DEFAULT)
+    if batch > max_batch:
+        return f"the CUDA kernel takes at most B = {max_batch} requests with {np.dtype(w1_dtype).name} W1, got {batch}"
+    shared_bytes = props["sm_count"] * (props["smem_per_block"] - 80 * 1024)
+    streamed = vocab * rank - shared_bytes
+    if streamed > 0.75 * props["l2_bytes"]:
+        return (f"V = {vocab} is too large for this GPU: {streamed / 2**20:.0f} MiB of int8 W2 would not fit in "
+                f"shared memory and would not stay in its {props['l2_bytes'] / 2**20:.0f} MiB L2")
+    return None

@@ -1,0 +1,76 @@
+"""The pure-JAX walk: the parity oracle, the eager arm of the benchmarks, the fallback everywhere.
+
+A `lax.scan` over the K draft steps, computing exactly SPEC.md in float32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import arguments
+from .philox import gumbel_noise
+from .result import WalkResult, to_result
+
+_HIGHEST = lax.Precision.HIGHEST
+_CONTRACT_RANK = (((1,), (1,)), ((), ()))  # [B, r] x [V, r] -> [B, V]
+
+
+def markov_bias(e, w2, w2_scale, logit_scale: float):
+    """logit_scale * (W2 @ e) for a batch of embeddings e [B, r], float32 [B, V]."""
+    if w2.dtype == jnp.int8:
+        dot = lax.dot_general(e.astype(jnp.float32), w2.astype(jnp.float32), _CONTRACT_RANK,
+                              precision=_HIGHEST, preferred_element_type=jnp.float32)
+        return jnp.float32(logit_scale) * (w2_scale[None, :] * dot)
+    common = jnp.promote_types(e.dtype, w2.dtype)
+    dot = lax.dot_general(e.astype(common), w2.astype(common), _CONTRACT_RANK,
+                          precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.float32(logit_scale) * dot
+
+
+def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
+    """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
+    base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
+    batch, steps, vocab = base.shape
+    v_target = w1.shape[0]
+    columns = jnp.arange(vocab, dtype=jnp.int32)
+    valid = columns < params.vocab_size
+    sampled = temperature > 0
+    inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
+    key_words = (key[:, 0:1], key[:, 1:2])
+
+    def step(prev, xs):
+        base_k, k = xs
+        e = w1[jnp.clip(prev, 0, v_target - 1)]
+        logits = base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale)
+        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        if params.return_logits:
+            logits = logits.astype(params.logits_dtype).astype(jnp.float32)
+        score = logits
+        if params.sampling:
+            noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
+            score = jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+        token = jnp.argmax(score, axis=-1).astype(jnp.int32)
+        if d2t.shape[0]:
+            token = token + d2t[token]
+        return token, (token, logits.astype(params.logits_dtype), e)
+
+    xs = (jnp.moveaxis(base, 1, 0), jnp.arange(steps, dtype=jnp.int32))
+    _, (tokens, logits, embeds) = lax.scan(step, anchor, xs)
+    tokens = tokens.T
+    logits = jnp.moveaxis(logits, 0, 1) if params.return_logits else jnp.zeros((0,), params.logits_dtype)
+    embeds = jnp.moveaxis(embeds, 0, 1) if params.return_embeds else jnp.zeros((0,), w1.dtype)
+    return tokens, logits, embeds
+
+
+def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
+         logit_scale=1.0, d2t=None, return_logits=False, logits_dtype=jnp.float32,
+         return_embeds=False, impl="reference") -> WalkResult:
+    """The DSpark Markov walk in pure JAX; same signature and results as `jax_markov.walk`."""
+    if impl != "reference":
+        raise ValueError(f"jax_markov.reference.walk only implements impl='reference', got {impl!r}")
+    ops, params = arguments.normalize(
+        base_logits, anchor, head, temperature=temperature, key=key, position=position,
+        vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
+        logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
+    return to_result(walk_operands(ops, params), params)
