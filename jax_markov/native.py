@@ -57,10 +57,12 @@ def _gpu_properties() -> dict:
     return dict(_markov_cuda.device_properties(gpus[0].local_hardware_id))
 
 
-def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype) -> str | None:
+def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:
     """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can."""
     if _markov_cuda is None:
         return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
+    if np.dtype(w2_dtype) != np.int8:
+        return "the CUDA kernel walks an int8 W2: pass jax_markov.quantize(head)"
     props = _gpu_properties()
     if (props["major"], props["minor"]) < CUDA_MIN_CAPABILITY or props["major"] != 9:
         return f"the CUDA kernel needs an sm_90 GPU, this one is sm_{props['major']}{props['minor']}"

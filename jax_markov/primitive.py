@@ -56,9 +56,9 @@ def _cpu_rule(ctx, *args, params):
 def _cuda_rule(ctx, *args, params):
     if params.impl == "reference":
         return _reference_rule(ctx, *args, params=params)
-    base, _, w1 = ctx.avals_in[:3]
+    base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
-    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype)
+    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype)
     if reason is None:
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":

@@ -1,0 +1,117 @@
+"""GPU arms of benchmark_markov_walk.py: the eager walk (reference, bf16 head), the reference on the
+int8 head, and the cooperative kernel, timed on device with cold L2.
+
+Timing: one jitted program walks N_SETS independent input sets (heads and base logits) in a chain
+(each walk's anchor is the previous walk's last token, so nothing overlaps); N_SETS copies of the
+head are larger than the L2, so every walk reads its W2 from HBM. The program is dispatched
+REPEATS times back to back; the time per walk is the median over timed batches of the wall time
+of a batch divided by its walks.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_markov as jm
+
+N_SETS = 4
+ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (129280, 5, 1), (129280, 5, 64),
+        (248320, 16, 1)]
+MODES = ("greedy", "probabilistic")
+ARMS = ("eager (reference, bf16 head)", "reference, int8 head", "kernel (int8)")
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second of a large device-to-device copy-like pass."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times)
+
+
+def make_sets(vocab: int, steps: int, batch: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    sets = []
+    for i in range(N_SETS):
+        w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
+        w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
+        head = jm.MarkovHead(w1, w2)
+        base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32) * 2.0, jnp.bfloat16)
+        sets.append((head, jm.quantize(head), base))
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    temperature = jnp.full((batch,), 0.8, jnp.float32)
+    keys = jax.random.split(jax.random.key(seed), batch)
+    position = jnp.asarray(rng.integers(0, 4096, batch), jnp.int32)
+    return sets, anchor, temperature, keys, position
+
+
+def chained_program(arm: str, mode: str):
+    impl = "ffi" if arm.startswith("kernel") else "reference"
+    use_int8 = "int8" in arm
+
+    def walk_all(sets, anchor, temperature, keys, position):
+        outs = []
+        for head, qhead, base in sets:
+            kw = {}
+            if mode == "probabilistic":
+                kw = dict(temperature=temperature, key=keys, position=position, return_logits=True,
+                          logits_dtype=jnp.bfloat16)
+            res = jm.walk(base, anchor, qhead if use_int8 else head, impl=impl, **kw)
+            anchor = res.tokens[:, -1]
+            outs.append(res.tokens if res.logits is None else (res.tokens, res.logits))
+        return outs
+
+    return jax.jit(walk_all)
+
+
+def time_arm(arm, mode, sets, anchor, temperature, keys, position, repeats: int = 30) -> float:
+    program = chained_program(arm, mode)
+    args = (sets, anchor, temperature, keys, position)
+    jax.block_until_ready(program(*args))
+    jax.block_until_ready(program(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready([program(*args) for _ in range(4)])
+        samples.append((time.perf_counter() - t0) / (4 * N_SETS))
+    return statistics.median(samples)
+
+
+def floor_bytes(vocab: int, steps: int, batch: int, mode: str) -> int:
+    """Bytes that must move: int8 W2 and scales once, base logits once, outputs once."""
+    w2 = vocab * 256 + 4 * vocab
+    base = batch * steps * vocab * 2
+    out = batch * steps * 4 + (batch * steps * vocab * 2 if mode == "probabilistic" else 0)
+    return w2 + base + out
+
+
+def run_gpu(rows=ROWS, modes=MODES, repeats: int = 30, log=print):
+    bandwidth = measure_copy_bandwidth()
+    log(f"measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    results = []
+    for vocab, steps, batch in rows:
+        data = make_sets(vocab, steps, batch)
+        for mode in modes:
+            floor_us = floor_bytes(vocab, steps, batch, mode) / bandwidth * 1e6
+            times = {}
+            for arm in ARMS:
+                times[arm] = time_arm(arm, mode, *data, repeats=repeats) * 1e6
+                log(f"  V={vocab} K={steps} B={batch} {mode:13s} {arm:30s} {times[arm]:9.1f} us")
+                sys.stdout.flush()
+            eager = times[ARMS[0]]
+            for arm in ARMS:
+                results.append(dict(vocab=vocab, steps=steps, batch=batch, mode=mode, arm=arm, us=times[arm],
+                                    speedup=eager / times[arm], floor_us=floor_us,
+                                    floor_fraction=floor_us / times[arm]))
+        del data
+    return bandwidth, results

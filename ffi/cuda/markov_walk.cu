@@ -1,0 +1,578 @@
+// The whole DSpark Markov walk in one cooperative launch on sm_90 (SPEC.md, ffi/README.md).
+//
+// Design
+// - One CTA per SM. The vocabulary is cut into tiles of 16 W2 rows (16 x 256 int8 = 4 KB); CTA c
+//   owns a contiguous run of tiles. The first `resident_tiles` of its run are copied into shared
+//   memory while step 0 reads them from HBM, and stay there for steps 1..K-1; the rest stream from
+//   L2 every step. Each thread re-reads exactly the bytes it stored, so no barrier guards them.
+// - Scoring uses tensor cores: mma.m16n8k16 with A = 16 W2 rows (int8 -> fp16 is exact) and
+//   B = e = W1[prev] for up to 8 columns per n-tile. e is scaled by a power of two per request so
+//   that fp16 holds bf16/fp16 W1 rows exactly; fp32 W1 rows use two columns (hi + lo fp16 parts).
+//   Products are exact and accumulate in fp32. Since a dot product is a sum, the r index is
+//   permuted freely: each thread loads 16 contiguous bytes per chunk and B is laid out to match.
+// - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
+//   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, publishes one atomicMax
+//   per request, then bumps an arrival counter that doubles as the grid barrier. Step k uses its
+//   own slots; the last CTA to leave zeroes slots and counters, so the next call starts clean.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common/walk_common.h"
+#include "cuda/markov_walk_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_markov {
+namespace {
+
+constexpr int kRank = 256;
+constexpr int kTileRows = 16;
+constexpr int kTileBytes = kTileRows * kRank;  // 4096
+constexpr int kMaxSteps = 16;
+constexpr int kMaxBatch = 128;  // 16 n-tiles of 8 columns
+
+enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct WalkArgs {
+  const void* base;  // [B, K, V]
+  const int32_t* anchor;
+  const void* w1;  // [vt, 256]
+  const int8_t* q;  // [V, 256]
+  const float* scale;  // [V]
+  const float* temperature;
+  const uint32_t* key;  // [B, 2]
+  const int32_t* position;
+  const int32_t* d2t;  // [V] or null
+  int32_t* tokens;  // [B, K]
+  void* logits;  // [B, K, V] or null
+  void* embeds;  // [B, K, 256] or null
+  unsigned long long* slots;  // [kMaxSteps * kMaxBatch], zero on entry and exit
+  unsigned int* counters;  // [2]: arrivals, departures; zero on entry and exit
+  int batch, steps, vocab, v_target, vocab_size;
+  int base_dtype, w1_dtype, logits_dtype;
+  float logit_scale;
+  int tiles_per_cta, resident_tiles;
+};
+
+__device__ __forceinline__ float LoadAsFloat(const void* p, size_t i, int dtype) {
+  if (dtype == kF32) return __ldcs(static_cast<const float*>(p) + i);
+  const unsigned short bits = __ldcs(static_cast<const unsigned short*>(p) + i);
+  if (dtype == kBF16) return __bfloat162float(__ushort_as_bfloat16(bits));
+  return __half2float(__ushort_as_half(bits));
+}
+
+// Stores l in the logits dtype and returns the stored value (the walk chooses from it).
+__device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
+  if (dtype == kF32) {
+    __stcs(static_cast<float*>(p) + i, l);
+    return l;
+  }
+  if (dtype == kBF16) {
+    const __nv_bfloat16 r = __float2bfloat16_rn(l);
+    __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
+    return __bfloat162float(r);
+  }
+  const __half r = __float2half_rn(l);
+  __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
+  return __half2float(r);
+}
+
+// Rounds l to the logits dtype without storing it (for callers that asked for no logits: kNone).
+__device__ __forceinline__ float Rounded(int dtype, float l) {
+  if (dtype == kBF16) return __bfloat162float(__float2bfloat16_rn(l));
+  if (dtype == kF16) return __half2float(__float2half_rn(l));
+  return l;
+}
+
+// Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
+// 0x64XX is 1024 + XX in fp16, and XX = x + 128, so subtracting 1152 leaves x.
+__device__ __forceinline__ uint32_t Int8PairToHalf2(uint32_t w, uint32_t selector) {
+  const uint32_t h = __byte_perm(w, 0x64646464u, selector);
+  uint32_t out;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(h), "r"(0x64806480u));
+  return out;
+}
+
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+__device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned short HalfBits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+// Shared-memory layout: B fragments, per-request state, then the resident W2 tiles.
+template <int NT>
+struct Smem {
+  static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6);
+  static constexpr int kFixedBytes = kFragBytes + kStateBytes;
+};
+
+template <int NT, bool SPLIT, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
+  constexpr int kWarps = THREADS / 32;
+  constexpr int kSlots = SPLIT ? NT : 2 * NT;  // requests a thread owns per row
+  constexpr bool kPrefetchBase = NT <= 4;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint2* frag = reinterpret_cast<uint2*>(smem);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
+  int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
+  float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
+  float* inv_t = unscale + kMaxBatch;
+  uint32_t* key0 = reinterpret_cast<uint32_t*>(inv_t + kMaxBatch);
+  uint32_t* key1 = key0 + kMaxBatch;
+  uint32_t* pos = key1 + kMaxBatch;
+  unsigned char* resident = smem + Smem<NT>::kFixedBytes;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int batch = a.batch, steps = a.steps, vocab = a.vocab;
+  const int first_tile = blockIdx.x * a.tiles_per_cta;
+  const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
+  const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
+
+  for (int i = tid; i < Smem<NT>::kFragBytes / 8; i += THREADS) frag[i] = make_uint2(0, 0);
+  for (int b = tid; b < kMaxBatch; b += THREADS) {
+    cta_best[b] = 0;
+    if (b < batch) {
+      prev[b] = a.anchor[b];
+      const float temp = a.temperature[b];
+      inv_t[b] = temp > 0.0f ? 1.0f / temp : 0.0f;
+      key0[b] = a.key[2 * b];
+      key1[b] = a.key[2 * b + 1];
+      pos[b] = static_cast<uint32_t>(a.position[b]);
+    }
+  }
+  __syncthreads();
+
+  for (int k = 0; k < steps; ++k) {
+    // 1. e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7].
+    for (int b = warp; b < batch; b += kWarps) {
+      const int row = ClampIndex(prev[b], a.v_target);
+      float e[8];
+      if (a.w1_dtype == kF32) {
+        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(a.w1) + size_t(row) * kRank) + 2 * lane;
+        const float4 x = __ldg(src), y = __ldg(src + 1);
+        e[0] = x.x; e[1] = x.y; e[2] = x.z; e[3] = x.w; e[4] = y.x; e[5] = y.y; e[6] = y.z; e[7] = y.w;
+        if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
+          float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.embeds) + (size_t(b) * steps + k) * kRank) + 2 * lane;
+          dst[0] = x;
+          dst[1] = y;
+        }
+      } else {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(row) * kRank) + lane);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const unsigned short bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
+          e[i] = a.w1_dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+        }
+        if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
+          reinterpret_cast<uint4*>(static_cast<unsigned short*>(a.embeds) + (size_t(b) * steps + k) * kRank)[lane] = raw;
+        }
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      // Scale by 2^shift so that max|e| lands in [2^14, 2^15): fp16 then holds 11 significant bits
+      // of every element that matters; the shift is undone exactly after the dot product.
+      int shift = 0;
+      if (amax > 0.0f && amax <= 3.0e38f) {
+        int exponent;
+        frexpf(amax, &exponent);
+        shift = min(15 - exponent, 100);
+      }
+      if (lane == 0) unscale[b] = ldexpf(1.0f, -shift);
+      unsigned short hi[8], lo[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float x = ldexpf(e[i], shift);
+        hi[i] = HalfBits(x);
+        lo[i] = SPLIT ? HalfBits(x - __half2float(__ushort_as_half(hi[i]))) : 0;
+      }
+      const int tt = (lane >> 1) & 3;
+#pragma unroll
+      for (int part = 0; part < (SPLIT ? 2 : 1); ++part) {
+        const int column = SPLIT ? 2 * b + part : b;
+        const int nt = column >> 3, cg = column & 7;
+        const unsigned short* h = part ? lo : hi;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int s = 4 * (lane >> 3) + 2 * (lane & 1) + u;
+          frag[(nt * 16 + s) * 32 + cg * 4 + tt] =
+              make_uint2(uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16), uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16));
+        }
+      }
+    }
+    __syncthreads();
+
+    // 2. Score this CTA's tiles; keep the best key per owned request in registers.
+    unsigned long long best[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) best[i] = 0;
+
+    for (int j = warp; j < my_tiles; j += kWarps) {
+      const int row0 = (first_tile + j) * kTileRows;
+      const int row_a = row0 + g, row_b = row0 + g + 8;
+      const bool is_resident = j < a.resident_tiles;
+      uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+      uint4 raw[8];
+      if (is_resident && k > 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) raw[i] = slot[i * 32];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int row = i < 4 ? row_a : row_b;
+          const int chunk = 4 * (i & 3) + t;
+          const uint4* src = reinterpret_cast<const uint4*>(a.q + size_t(row) * kRank) + chunk;
+          if (row < vocab) {
+            raw[i] = is_resident ? __ldcs(src) : __ldcg(src);
+          } else {
+            raw[i] = make_uint4(0, 0, 0, 0);
+          }
+        }
+        if (is_resident) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) slot[i * 32] = raw[i];
+        }
+      }
+
+      // Base logits of the (row, request) pairs this thread finishes, fetched before the MMAs.
+      float base_a[kSlots], base_b[kSlots];
+      auto slot_request = [&](int nt, int c) { return SPLIT ? nt * 4 + t : nt * 8 + 2 * t + c; };
+      if (kPrefetchBase) {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int rq = SPLIT ? slot_request(i, 0) : slot_request(i / 2, i % 2);
+          base_a[i] = (rq < batch && row_a < vocab) ? LoadAsFloat(a.base, (size_t(rq) * steps + k) * vocab + row_a, a.base_dtype) : 0.0f;
+          base_b[i] = (rq < batch && row_b < vocab) ? LoadAsFloat(a.base, (size_t(rq) * steps + k) * vocab + row_b, a.base_dtype) : 0.0f;
+        }
+      }
+
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 16; ++s) {
+        const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
+        const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
+        const uint32_t a0 = Int8PairToHalf2(wa, 0x4140), a1 = Int8PairToHalf2(wb, 0x4140);
+        const uint32_t a2 = Int8PairToHalf2(wa, 0x4342), a3 = Int8PairToHalf2(wb, 0x4342);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
+          Mma16816(acc[nt], a0, a1, a2, a3, bf.x, bf.y);
+        }
+      }
+
+      const float scale_a = row_a < vocab ? __ldg(a.scale + row_a) : 0.0f;
+      const float scale_b = row_b < vocab ? __ldg(a.scale + row_b) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+        const int rq = slot_request(nt, c);
+        if (rq >= batch) continue;
+        const float dot_a = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+        const float dot_b = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = h ? row_b : row_a;
+          if (row >= vocab) continue;
+          const size_t index = (size_t(rq) * steps + k) * vocab + row;
+          const float base = kPrefetchBase ? (h ? base_b[i] : base_a[i]) : LoadAsFloat(a.base, index, a.base_dtype);
+          const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b : dot_a) * unscale[rq]));
+          float l = row < a.vocab_size ? base + bias : -INFINITY;
+          l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : Rounded(a.logits_dtype, l);
+          float score = l;
+          if (inv_t[rq] > 0.0f) {
+            score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+          }
+          const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+          best[i] = packed > best[i] ? packed : best[i];
+        }
+      }
+    }
+
+    // 3. Reduce over the 8 lanes that share t, then across warps in shared memory.
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+#pragma unroll
+      for (int m = 4; m < 32; m <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
+        best[i] = other > best[i] ? other : best[i];
+      }
+      const int rq = SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
+      if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+    }
+    __syncthreads();
+
+    // 4. Publish one key per request, arrive, wait for every CTA, read the choice.
+    unsigned long long* step_slots = a.slots + k * kMaxBatch;
+    if (tid < batch) {
+      if (cta_best[tid] != 0) atomicMax(&step_slots[tid], cta_best[tid]);
+      cta_best[tid] = 0;
+      __threadfence();
+    }
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(&a.counters[0], 1u);
+      const unsigned int target = gridDim.x * (k + 1);
+      while (LoadAcquire(&a.counters[0]) < target) {
+      }
+      __threadfence();
+    }
+    __syncthreads();
+    if (tid < batch) {
+      const uint32_t token = ArgmaxKeyIndex(__ldcg(&step_slots[tid]));
+      const int32_t chosen = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
+      prev[tid] = chosen;
+      if (blockIdx.x == 0) a.tokens[tid * steps + k] = chosen;
+    }
+    __syncthreads();
+  }
+
+  // The last CTA out leaves the workspace zeroed for the next call on this stream.
+  __shared__ bool last_out;
+  if (tid == 0) {
+    __threadfence();
+    last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last_out) {
+    for (int i = tid; i < kMaxSteps * kMaxBatch; i += THREADS) a.slots[i] = 0;
+    if (tid == 0) {
+      a.counters[0] = 0;
+      a.counters[1] = 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+struct Workspace {
+  unsigned long long* slots = nullptr;
+  unsigned int* counters = nullptr;
+};
+
+// One zeroed workspace per (device, stream): kernels on one stream run in order, and each call
+// leaves it zeroed. Allocated once and kept for the life of the process.
+cudaError_t GetWorkspace(int device, cudaStream_t stream, Workspace* out) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, Workspace> workspaces;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = workspaces.find({device, stream});
+  if (it != workspaces.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  const size_t slot_bytes = sizeof(unsigned long long) * kMaxSteps * kMaxBatch;
+  void* mem = nullptr;
+  cudaError_t err = cudaMalloc(&mem, slot_bytes + 2 * sizeof(unsigned int));
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(mem, 0, slot_bytes + 2 * sizeof(unsigned int), stream);
+  if (err != cudaSuccess) return err;
+  Workspace ws{static_cast<unsigned long long*>(mem), reinterpret_cast<unsigned int*>(static_cast<char*>(mem) + slot_bytes)};
+  workspaces[{device, stream}] = ws;
+  *out = ws;
+  return cudaSuccess;
+}
+
+int DTypeCode(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return kF32;
+    case ffi::DataType::BF16: return kBF16;
+    case ffi::DataType::F16: return kF16;
+    default: return kNone;
+  }
+}
+
+ffi::Error CudaError(const char* what, cudaError_t err) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_markov CUDA walk: ") + what + ": " + cudaGetErrorString(err));
+}
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
+}
+
+template <int NT, bool SPLIT>
+ffi::Error Launch(cudaStream_t stream, const DeviceProperties& props, WalkArgs args) {
+  constexpr int kThreads = NT <= 2 ? 512 : 256;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, kThreads>;
+  const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
+  const int grid = props.sm_count;
+  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
+  const int fixed = Smem<NT>::kFixedBytes + 64;  // + static shared memory
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
+  if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
+  const int smem = Smem<NT>::kFixedBytes + args.resident_tiles * kTileBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return CudaError("cudaFuncSetAttribute", err);
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+  if (err != cudaSuccess) return CudaError("occupancy", err);
+  if (per_sm < 1) return Invalid("the kernel does not fit on one SM");
+  void* params[] = {&args};
+  err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
+  if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel", err);
+  return ffi::Error::Success();
+}
+
+template <bool SPLIT>
+ffi::Error LaunchForColumns(int columns, cudaStream_t stream, const DeviceProperties& props, const WalkArgs& args) {
+  if (columns <= 8) return Launch<1, SPLIT>(stream, props, args);
+  if (columns <= 16) return Launch<2, SPLIT>(stream, props, args);
+  if (columns <= 32) return Launch<4, SPLIT>(stream, props, args);
+  if (columns <= 64) return Launch<8, SPLIT>(stream, props, args);
+  return Launch<16, SPLIT>(stream, props, args);
+}
+
+ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
+                              ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
+                              ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
+                              ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
+                              ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size, float logit_scale) {
+  const auto bd = base.dimensions();
+  const auto w1d = w1.dimensions();
+  const auto w2d = w2.dimensions();
+  if (bd.size() != 3) return Invalid("base_logits must be [B, K, V]");
+  const int64_t batch = bd[0], steps = bd[1], vocab = bd[2];
+  if (w1d.size() != 2 || w2d.size() != 2) return Invalid("w1 and w2 must be rank 2");
+  if (w1d[1] != kRank || w2d[1] != kRank) return Invalid("the CUDA kernel needs rank r = 256");
+  if (w2d[0] != vocab) return Invalid("w2 rows must equal V");
+  if (w2.element_type() != ffi::DataType::S8) return Invalid("the CUDA kernel walks an int8 W2 (use jax_markov.quantize)");
+  if (w2_scale.element_count() != vocab) return Invalid("w2_scale must be [V]");
+  if (steps < 1 || steps > kMaxSteps) return Invalid("K must be in [1, 16]");
+  const int base_dtype = DTypeCode(base.element_type()), w1_dtype = DTypeCode(w1.element_type());
+  if (base_dtype == kNone || w1_dtype == kNone) return Invalid("base_logits and w1 must be f32, bf16 or f16");
+  const bool split = w1_dtype == kF32;
+  const int64_t columns = split ? 2 * batch : batch;
+  if (batch < 1 || columns > kMaxBatch) return Invalid("B too large for the CUDA kernel (128 requests, 64 with fp32 W1)");
+  if (anchor.element_count() != batch || temperature.element_count() != batch || position.element_count() != batch ||
+      key.element_count() != 2 * batch) {
+    return Invalid("anchor, temperature, key and position must have B requests");
+  }
+  if (d2t.element_count() != 0 && d2t.element_count() != vocab) return Invalid("d2t must be [V] or empty");
+  if (vocab_size < 1 || vocab_size > vocab) return Invalid("vocab_size must be in [1, V]");
+  if (tokens->element_count() != batch * steps) return Invalid("tokens must be [B, K]");
+  const bool want_logits = logits->element_count() != 0;
+  if (want_logits && logits->element_count() != batch * steps * vocab) return Invalid("logits must be [B, K, V] or empty");
+  const int logits_dtype = DTypeCode(logits->element_type());
+  if (logits_dtype == kNone) return Invalid("logits must be f32, bf16 or f16");
+  const bool want_embeds = embeds->element_count() != 0;
+  if (want_embeds && (embeds->element_count() != batch * steps * kRank || embeds->element_type() != w1.element_type())) {
+    return Invalid("embeds must be [B, K, 256] in w1's dtype or empty");
+  }
+
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
+  DeviceProperties props;
+  err = QueryDeviceProperties(device, &props);
+  if (err != cudaSuccess) return CudaError("device properties", err);
+  if (props.major != 9) return Invalid("the CUDA kernel needs an sm_90 GPU");
+  if (!props.cooperative) return Invalid("the GPU does not support cooperative launches");
+  Workspace ws;
+  err = GetWorkspace(device, stream, &ws);
+  if (err != cudaSuccess) return CudaError("workspace", err);
+
+  WalkArgs args{};
+  args.base = base.untyped_data();
+  args.anchor = anchor.typed_data();
+  args.w1 = w1.untyped_data();
+  args.q = static_cast<const int8_t*>(w2.untyped_data());
+  args.scale = w2_scale.typed_data();
+  args.temperature = temperature.typed_data();
+  args.key = key.typed_data();
+  args.position = position.typed_data();
+  args.d2t = d2t.element_count() ? d2t.typed_data() : nullptr;
+  args.tokens = tokens->typed_data();
+  args.logits = want_logits ? logits->untyped_data() : nullptr;
+  args.embeds = want_embeds ? embeds->untyped_data() : nullptr;
+  args.slots = ws.slots;
+  args.counters = ws.counters;
+  args.batch = int(batch);
+  args.steps = int(steps);
+  args.vocab = int(vocab);
+  args.v_target = int(w1d[0]);
+  args.vocab_size = int(vocab_size);
+  args.base_dtype = base_dtype;
+  args.w1_dtype = w1_dtype;
+  // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
+  args.logits_dtype = want_logits ? logits_dtype : kF32;
+  args.logit_scale = logit_scale;
+  return split ? LaunchForColumns<true>(int(columns), stream, props, args)
+               : LaunchForColumns<false>(int(columns), stream, props, args);
+}
+
+}  // namespace
+
+cudaError_t QueryDeviceProperties(int device, DeviceProperties* out) {
+  static std::mutex mu;
+  static std::map<int, DeviceProperties> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  DeviceProperties p;
+  int cooperative = 0;
+  cudaError_t err;
+  if ((err = cudaDeviceGetAttribute(&p.sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&p.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&p.l2_bytes, cudaDevAttrL2CacheSize, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&p.major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&p.minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device)) != cudaSuccess) return err;
+  p.cooperative = cooperative != 0;
+  cache[device] = p;
+  *out = p;
+  return cudaSuccess;
+}
+
+}  // namespace jax_markov
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MarkovWalkCuda, jax_markov::MarkovWalkCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // base_logits
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // anchor
+                                  .Arg<ffi::AnyBuffer>()           // w1
+                                  .Arg<ffi::AnyBuffer>()           // w2
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // w2_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // temperature
+                                  .Arg<ffi::Buffer<ffi::U32>>()    // key
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // position
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // d2t
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // tokens
+                                  .Ret<ffi::AnyBuffer>()           // logits
+                                  .Ret<ffi::AnyBuffer>()           // embeds
+                                  .Attr<int64_t>("vocab_size")
+                                  .Attr<float>("logit_scale"));
