@@ -75,7 +75,9 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
     max_batch = CUDA_MAX_BATCH.get(np.dtype(w1_dtype), CUDA_MAX_BATCH_DEFAULT)
     if batch > max_batch:
         return f"the CUDA kernel takes at most B = {max_batch} requests with {np.dtype(w1_dtype).name} W1, got {batch}"
-    shared_bytes = props["sm_count"] * (props["smem_per_block"] - 80 * 1024)
+    columns = batch * (2 if np.dtype(w1_dtype) == np.float32 else 1)
+    n_tiles = 1 << max(0, (columns - 1) // 8).bit_length()  # B fragments: 4 KB per 8 columns
+    shared_bytes = props["sm_count"] * (props["smem_per_block"] - 4096 * (n_tiles + 1))
     streamed = vocab * rank - shared_bytes
     if streamed > 0.75 * props["l2_bytes"]:
         return (f"V = {vocab} is too large for this GPU: {streamed / 2**20:.0f} MiB of int8 W2 would not fit in "

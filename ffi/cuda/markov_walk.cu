@@ -85,13 +85,6 @@ __device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, floa
   return __half2float(r);
 }
 
-// Rounds l to the logits dtype without storing it (for callers that asked for no logits: kNone).
-__device__ __forceinline__ float Rounded(int dtype, float l) {
-  if (dtype == kBF16) return __bfloat162float(__float2bfloat16_rn(l));
-  if (dtype == kF16) return __half2float(__float2half_rn(l));
-  return l;
-}
-
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
 // 0x64XX is 1024 + XX in fp16, and XX = x + 128, so subtracting 1152 leaves x.
 __device__ __forceinline__ uint32_t Int8PairToHalf2(uint32_t w, uint32_t selector) {
@@ -122,6 +115,90 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
 
 __device__ __forceinline__ unsigned short HalfBits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 
+// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B-fragment columns,
+// writes its embeds row when this CTA owns request b, and records the power-of-two unscale.
+template <int NT, bool SPLIT>
+__device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                               uint2* frag, float* unscale) {
+  float e[8];
+  if (a.w1_dtype == kF32) {
+    const float* f = reinterpret_cast<const float*>(&raw[0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = f[i];
+  } else {
+    const uint32_t words[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned short bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
+      e[i] = a.w1_dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+    }
+  }
+  if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(a.embeds) + (size_t(b) * a.steps + k) * kRank * (a.w1_dtype == kF32 ? 4 : 2));
+    if (a.w1_dtype == kF32) {
+      dst[2 * lane] = raw[0];
+      dst[2 * lane + 1] = raw[1];
+    } else {
+      dst[lane] = raw[0];
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  // Scale by 2^shift so that max|e| lands in [2^14, 2^15): fp16 then holds 11 significant bits of
+  // every element that matters; the shift is undone exactly after the dot product.
+  int shift = 0;
+  if (amax > 0.0f && amax <= 3.0e38f) {
+    int exponent;
+    frexpf(amax, &exponent);
+    shift = min(15 - exponent, 100);
+  }
+  if (lane == 0) unscale[b] = ldexpf(1.0f, -shift);
+  unsigned short hi[8], lo[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float x = ldexpf(e[i], shift);
+    hi[i] = HalfBits(x);
+    lo[i] = SPLIT ? HalfBits(x - __half2float(__ushort_as_half(hi[i]))) : 0;
+  }
+  const int tt = (lane >> 1) & 3;
+#pragma unroll
+  for (int part = 0; part < (SPLIT ? 2 : 1); ++part) {
+    const int column = SPLIT ? 2 * b + part : b;
+    const int nt = column >> 3, cg = column & 7;
+    const unsigned short* h = part ? lo : hi;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int s = 4 * (lane >> 3) + 2 * (lane & 1) + u;
+      frag[(nt * 16 + s) * 32 + cg * 4 + tt] = make_uint2(uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16),
+                                                          uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16));
+    }
+  }
+}
+
+// Request finished by slot i of thread-in-group t: with SPLIT, n-tile i holds (hi, lo) columns of
+// request 4i + t; otherwise n-tile i / 2 holds requests 8(i / 2) + 2t and 8(i / 2) + 2t + 1.
+template <bool SPLIT>
+__device__ __forceinline__ int SlotRequestOf(int i, int t) {
+  return SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
+}
+
+// Base logits for kGroup slots starting at `first`, rows row_a and row_b, at clamped indices.
+template <bool SPLIT, int kGroup, int kSlots>
+__device__ __forceinline__ void LoadBaseGroupImpl(const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
+                                                  float (&base_a)[kGroup], float (&base_b)[kGroup]) {
+  const int ra = min(row_a, a.vocab - 1), rb = min(row_b, a.vocab - 1);
+#pragma unroll
+  for (int gi = 0; gi < kGroup; ++gi) {
+    const int rq = min(SlotRequestOf<SPLIT>(min(first + gi, kSlots - 1), t), a.batch - 1);
+    const size_t offset = (size_t(rq) * a.steps + k) * a.vocab;
+    base_a[gi] = LoadAsFloat(a.base, offset + ra, a.base_dtype);
+    base_b[gi] = LoadAsFloat(a.base, offset + rb, a.base_dtype);
+  }
+}
+
 // Shared-memory layout: B fragments, per-request state, then the resident W2 tiles.
 template <int NT>
 struct Smem {
@@ -134,7 +211,14 @@ template <int NT, bool SPLIT, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   constexpr int kWarps = THREADS / 32;
   constexpr int kSlots = SPLIT ? NT : 2 * NT;  // requests a thread owns per row
-  constexpr bool kPrefetchBase = NT <= 4;
+  constexpr int kGroup = kSlots < 8 ? kSlots : 8;  // base logits fetched together per request group
+  constexpr int kChains = NT <= 2 ? 2 : 1;
+  constexpr int kRowsPerPass = 4;  // W1 rows a warp fetches at once
+  const auto SlotRequest = [](int i, int t) { return SlotRequestOf<SPLIT>(i, t); };
+  const auto LoadBaseGroup = [](const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
+                                float (&base_a)[kGroup], float (&base_b)[kGroup]) {
+    LoadBaseGroupImpl<SPLIT, kGroup, kSlots>(a, first, k, row_a, row_b, t, base_a, base_b);
+  };
   extern __shared__ __align__(16) unsigned char smem[];
   uint2* frag = reinterpret_cast<uint2*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
@@ -168,64 +252,27 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   __syncthreads();
 
   for (int k = 0; k < steps; ++k) {
-    // 1. e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7].
-    for (int b = warp; b < batch; b += kWarps) {
-      const int row = ClampIndex(prev[b], a.v_target);
-      float e[8];
-      if (a.w1_dtype == kF32) {
-        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(a.w1) + size_t(row) * kRank) + 2 * lane;
-        const float4 x = __ldg(src), y = __ldg(src + 1);
-        e[0] = x.x; e[1] = x.y; e[2] = x.z; e[3] = x.w; e[4] = y.x; e[5] = y.y; e[6] = y.z; e[7] = y.w;
-        if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
-          float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.embeds) + (size_t(b) * steps + k) * kRank) + 2 * lane;
-          dst[0] = x;
-          dst[1] = y;
-        }
-      } else {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(row) * kRank) + lane);
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    // 1. e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A warp fetches the rows
+    //    of kRowsPerPass requests before converting any, so their latencies overlap.
+    for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
+      uint4 w1_raw[kRowsPerPass][2];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const unsigned short bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
-          e[i] = a.w1_dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
-        }
-        if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
-          reinterpret_cast<uint4*>(static_cast<unsigned short*>(a.embeds) + (size_t(b) * steps + k) * kRank)[lane] = raw;
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int b = min(first + u * kWarps, batch - 1);
+        const int row = ClampIndex(prev[b], a.v_target);
+        if (a.w1_dtype == kF32) {
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(row) * kRank) + 2 * lane;
+          w1_raw[u][0] = __ldg(src);
+          w1_raw[u][1] = __ldg(src + 1);
+        } else {
+          w1_raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(row) * kRank) + lane);
         }
       }
-      float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
-#pragma unroll
-      for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-      // Scale by 2^shift so that max|e| lands in [2^14, 2^15): fp16 then holds 11 significant bits
-      // of every element that matters; the shift is undone exactly after the dot product.
-      int shift = 0;
-      if (amax > 0.0f && amax <= 3.0e38f) {
-        int exponent;
-        frexpf(amax, &exponent);
-        shift = min(15 - exponent, 100);
-      }
-      if (lane == 0) unscale[b] = ldexpf(1.0f, -shift);
-      unsigned short hi[8], lo[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float x = ldexpf(e[i], shift);
-        hi[i] = HalfBits(x);
-        lo[i] = SPLIT ? HalfBits(x - __half2float(__ushort_as_half(hi[i]))) : 0;
-      }
-      const int tt = (lane >> 1) & 3;
-#pragma unroll
-      for (int part = 0; part < (SPLIT ? 2 : 1); ++part) {
-        const int column = SPLIT ? 2 * b + part : b;
-        const int nt = column >> 3, cg = column & 7;
-        const unsigned short* h = part ? lo : hi;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int s = 4 * (lane >> 3) + 2 * (lane & 1) + u;
-          frag[(nt * 16 + s) * 32 + cg * 4 + tt] =
-              make_uint2(uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16), uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16));
-        }
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int b = first + u * kWarps;
+        if (b >= batch) break;
+        BuildFragments<NT, SPLIT>(a, b, k, lane, w1_raw[u], frag, unscale);
       }
     }
     __syncthreads();
@@ -262,21 +309,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       }
 
-      // Base logits of the (row, request) pairs this thread finishes, fetched before the MMAs.
-      float base_a[kSlots], base_b[kSlots];
-      auto slot_request = [&](int nt, int c) { return SPLIT ? nt * 4 + t : nt * 8 + 2 * t + c; };
-      if (kPrefetchBase) {
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const int rq = SPLIT ? slot_request(i, 0) : slot_request(i / 2, i % 2);
-          base_a[i] = (rq < batch && row_a < vocab) ? LoadAsFloat(a.base, (size_t(rq) * steps + k) * vocab + row_a, a.base_dtype) : 0.0f;
-          base_b[i] = (rq < batch && row_b < vocab) ? LoadAsFloat(a.base, (size_t(rq) * steps + k) * vocab + row_b, a.base_dtype) : 0.0f;
-        }
-      }
+      // Scales and the first group of base logits are fetched before the MMAs so that their latency
+      // hides behind them. Indices are clamped so that every load is unconditional and in bounds.
+      const float scale_a = __ldg(a.scale + min(row_a, vocab - 1));
+      const float scale_b = __ldg(a.scale + min(row_b, vocab - 1));
+      float base_a[kGroup], base_b[kGroup];
+      LoadBaseGroup(a, 0, k, row_a, row_b, t, base_a, base_b);
 
-      float acc[NT][4];
+      // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
+      float acc[kChains * NT][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+      for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 #pragma unroll
       for (int s = 0; s < 16; ++s) {
         const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
@@ -286,34 +329,45 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
-          Mma16816(acc[nt], a0, a1, a2, a3, bf.x, bf.y);
+          Mma16816(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
+        }
+      }
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
         }
       }
 
-      const float scale_a = row_a < vocab ? __ldg(a.scale + row_a) : 0.0f;
-      const float scale_b = row_b < vocab ? __ldg(a.scale + row_b) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kSlots; ++i) {
-        const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-        const int rq = slot_request(nt, c);
-        if (rq >= batch) continue;
-        const float dot_a = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
-        const float dot_b = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
+      for (int group = 0; group < kSlots; group += kGroup) {
+        if (group > 0) LoadBaseGroup(a, group, k, row_a, row_b, t, base_a, base_b);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = h ? row_b : row_a;
-          if (row >= vocab) continue;
-          const size_t index = (size_t(rq) * steps + k) * vocab + row;
-          const float base = kPrefetchBase ? (h ? base_b[i] : base_a[i]) : LoadAsFloat(a.base, index, a.base_dtype);
-          const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b : dot_a) * unscale[rq]));
-          float l = row < a.vocab_size ? base + bias : -INFINITY;
-          l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : Rounded(a.logits_dtype, l);
-          float score = l;
-          if (inv_t[rq] > 0.0f) {
-            score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+        for (int gi = 0; gi < kGroup; ++gi) {
+          const int i = group + gi;
+          if (i >= kSlots) break;
+          const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+          const int rq = SlotRequest(i, t);
+          if (rq >= batch) continue;
+          const float dot_a = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+          const float dot_b = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            if (row >= vocab) continue;
+            const size_t index = (size_t(rq) * steps + k) * vocab + row;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b : dot_a) * unscale[rq]));
+            float l = row < a.vocab_size ? (h ? base_b[gi] : base_a[gi]) + bias : -INFINITY;
+            l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
+            float score = l;
+            if (inv_t[rq] > 0.0f) {
+              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+            }
+            const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+            best[i] = packed > best[i] ? packed : best[i];
           }
-          const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
-          best[i] = packed > best[i] ? packed : best[i];
         }
       }
     }
@@ -326,7 +380,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
         best[i] = other > best[i] ? other : best[i];
       }
-      const int rq = SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
+      const int rq = SlotRequest(i, t);
       if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
     }
     __syncthreads();
@@ -422,7 +476,7 @@ ffi::Error Invalid(const std::string& msg) {
 }
 
 template <int NT, bool SPLIT>
-ffi::Error Launch(cudaStream_t stream, const DeviceProperties& props, WalkArgs args) {
+ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
   constexpr int kThreads = NT <= 2 ? 512 : 256;
   auto kernel = MarkovWalkKernel<NT, SPLIT, kThreads>;
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
@@ -432,25 +486,36 @@ ffi::Error Launch(cudaStream_t stream, const DeviceProperties& props, WalkArgs a
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = Smem<NT>::kFixedBytes + args.resident_tiles * kTileBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return CudaError("cudaFuncSetAttribute", err);
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (err != cudaSuccess) return CudaError("occupancy", err);
-  if (per_sm < 1) return Invalid("the kernel does not fit on one SM");
+  // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
+  // SM, once per device: these calls cost host time on every launch otherwise.
+  static std::mutex mu;
+  static std::map<int, cudaError_t> prepared;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = prepared.find(device);
+    if (it == prepared.end()) {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
+      int per_sm = 0;
+      if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, props.smem_per_block);
+      if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
+      it = prepared.emplace(device, err).first;
+    }
+    if (it->second != cudaSuccess) return CudaError("preparing the kernel", it->second);
+  }
   void* params[] = {&args};
-  err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel", err);
   return ffi::Error::Success();
 }
 
 template <bool SPLIT>
-ffi::Error LaunchForColumns(int columns, cudaStream_t stream, const DeviceProperties& props, const WalkArgs& args) {
-  if (columns <= 8) return Launch<1, SPLIT>(stream, props, args);
-  if (columns <= 16) return Launch<2, SPLIT>(stream, props, args);
-  if (columns <= 32) return Launch<4, SPLIT>(stream, props, args);
-  if (columns <= 64) return Launch<8, SPLIT>(stream, props, args);
-  return Launch<16, SPLIT>(stream, props, args);
+ffi::Error LaunchForColumns(int columns, cudaStream_t stream, int device, const DeviceProperties& props,
+                            const WalkArgs& args) {
+  if (columns <= 8) return Launch<1, SPLIT>(stream, device, props, args);
+  if (columns <= 16) return Launch<2, SPLIT>(stream, device, props, args);
+  if (columns <= 32) return Launch<4, SPLIT>(stream, device, props, args);
+  if (columns <= 64) return Launch<8, SPLIT>(stream, device, props, args);
+  return Launch<16, SPLIT>(stream, device, props, args);
 }
 
 ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
@@ -527,8 +592,8 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
   args.logits_dtype = want_logits ? logits_dtype : kF32;
   args.logit_scale = logit_scale;
-  return split ? LaunchForColumns<true>(int(columns), stream, props, args)
-               : LaunchForColumns<false>(int(columns), stream, props, args);
+  return split ? LaunchForColumns<true>(int(columns), stream, device, props, args)
+               : LaunchForColumns<false>(int(columns), stream, device, props, args);
 }
 
 }  // namespace
