@@ -87,6 +87,11 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
             raise TypeError(f"head.w2 must be bfloat16, float16 or float32, got {w2.dtype}")
     elif isinstance(head, QuantizedMarkovHead):
         w1, w2, w2_scale = head.w1, head.q, head.scale
+        if w2.dtype != jnp.int8:
+            raise TypeError(f"head.q of a QuantizedMarkovHead must be int8 (see quantize), got {w2.dtype}")
+        if w2_scale.dtype != jnp.float32 or w2_scale.shape != w2.shape[:1]:
+            raise ValueError(f"head.scale must be float32 [V] = {list(w2.shape[:1])} (one scale per row of q), "
+                             f"got {w2_scale.dtype}{list(w2_scale.shape)}")
     else:
         raise TypeError(f"head must be a MarkovHead or a QuantizedMarkovHead, got {type(head).__name__}")
     if w1.ndim != 2 or w1.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
@@ -147,7 +152,10 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
                              f"got {d2t.dtype}{list(d2t.shape)}")
         d2t = d2t.astype(jnp.int32)
 
-    logits_dtype = jnp.dtype(logits_dtype)
+    try:
+        logits_dtype = jnp.dtype(logits_dtype)
+    except TypeError as e:
+        raise TypeError(f"logits_dtype must be float32, bfloat16 or float16, got {logits_dtype!r}") from e
     if logits_dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"logits_dtype must be float32, bfloat16 or float16, got {logits_dtype}")
 

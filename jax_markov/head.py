@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -99,6 +100,11 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
         raise TypeError(f"head.w2 must be a [V, r] bfloat16/float16/float32 array, got {head.w2.dtype}{list(head.w2.shape)}")
     w2 = head.w2.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w2), axis=1)
-    scale = jnp.where(amax > 0, amax / jnp.float32(127.0), jnp.float32(1.0))
-    q = jnp.clip(jnp.round(w2 / scale[:, None]), -127, 127).astype(jnp.int8)
+    # XLA rewrites `x / broadcast(y)` as `x * broadcast(1 / y)`, which is not the division SPEC.md
+    # asks for (scale and q would differ from max|row| / 127 and round(W2 / scale) in the last bit).
+    # Full-size divisors behind an optimization barrier keep the true IEEE division.
+    divisor = lax.optimization_barrier(jnp.full_like(amax, 127.0))
+    scale = jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+    divisor = lax.optimization_barrier(jnp.broadcast_to(scale[:, None], w2.shape))
+    q = jnp.clip(jnp.round(w2 / divisor), -127, 127).astype(jnp.int8)
     return QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)

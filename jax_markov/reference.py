@@ -63,6 +63,11 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
     return tokens, logits, embeds
 
 
+# One compiled walk per (shapes, dtypes, params): called eagerly, a bare lax.scan over a fresh
+# closure would be traced and compiled again on every call.
+_walk_operands_jit = jax.jit(walk_operands, static_argnums=1)
+
+
 def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
          logit_scale=1.0, d2t=None, return_logits=False, logits_dtype=jnp.float32,
          return_embeds=False, impl="reference") -> WalkResult:
@@ -73,4 +78,4 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
         base_logits, anchor, head, temperature=temperature, key=key, position=position,
         vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
         logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
-    return to_result(walk_operands(ops, params), params)
+    return to_result(_walk_operands_jit(ops, params), params)

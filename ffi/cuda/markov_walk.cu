@@ -203,7 +203,7 @@ __device__ __forceinline__ void LoadBaseGroupImpl(const WalkArgs& a, int first, 
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6);
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16;  // + the last-CTA flag
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
 };
 
@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* key0 = reinterpret_cast<uint32_t*>(inv_t + kMaxBatch);
   uint32_t* key1 = key0 + kMaxBatch;
   uint32_t* pos = key1 + kMaxBatch;
+  int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
   unsigned char* resident = smem + Smem<NT>::kFixedBytes;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -412,13 +413,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
 
   // The last CTA out leaves the workspace zeroed for the next call on this stream.
-  __shared__ bool last_out;
   if (tid == 0) {
     __threadfence();
-    last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
+    *last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (last_out) {
+  if (*last_out) {
     for (int i = tid; i < kMaxSteps * kMaxBatch; i += THREADS) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
@@ -482,8 +482,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
   args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  const int fixed = Smem<NT>::kFixedBytes + 64;  // + static shared memory
-  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - Smem<NT>::kFixedBytes) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = Smem<NT>::kFixedBytes + args.resident_tiles * kTileBytes;
   // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
