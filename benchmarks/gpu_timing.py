@@ -115,3 +115,77 @@ def run_gpu(rows=ROWS, modes=MODES, repeats: int = 30, log=print):
                                     floor_fraction=floor_us / times[arm]))
         del data
     return bandwidth, results
+
+
+def write_report(bandwidth, results, out_prefix: str, *, command: str, gpu: str, commit: str) -> str:
+    """Writes <out_prefix>.md, .json and (with matplotlib) .png; returns the markdown table."""
+    import json
+    import pathlib
+
+    lines = [f"# Markov walk on {gpu}", "",
+             f"- command: `{command}`", f"- GPU: {gpu}", f"- jax {jax.__version__}", f"- commit: {commit}",
+             f"- measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)",
+             f"- timing: {N_SETS} input sets walked in a chain per program (cold L2), median over repeats",
+             "- floor: int8 W2 + scales once, base logits (bf16) once, outputs once, at the copy bandwidth;"
+             " probabilistic rows sample every request at T = 0.8 and return bf16 draft logits", "",
+             "| V | K | B | mode | arm | us/call | speedup vs eager | floor us | fraction of floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['vocab']} | {r['steps']} | {r['batch']} | {r['mode']} | {r['arm']} | {r['us']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['floor_us']:.1f} | {r['floor_fraction']:.2f} |")
+    table = "\n".join(lines) + "\n"
+    prefix = pathlib.Path(out_prefix)
+    prefix.with_suffix(".md").write_text(table)
+    prefix.with_suffix(".json").write_text(json.dumps(dict(command=command, gpu=gpu, jax=jax.__version__,
+                                                           commit=commit, bandwidth=bandwidth, rows=results),
+                                                      indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return table
+    configs = sorted({(r["vocab"], r["steps"], r["batch"], r["mode"]) for r in results},
+                     key=lambda c: (c[3], c[0], c[1], c[2]))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs)), 5))
+    width = 0.8 / len(ARMS)
+    for i, arm in enumerate(ARMS):
+        ys = [next(r["us"] for r in results if (r["vocab"], r["steps"], r["batch"], r["mode"]) == c and r["arm"] == arm)
+              for c in configs]
+        ax.bar([x + i * width for x in range(len(configs))], ys, width, label=arm)
+    floors = [next(r["floor_us"] for r in results if (r["vocab"], r["steps"], r["batch"], r["mode"]) == c)
+              for c in configs]
+    ax.scatter([x + width for x in range(len(configs))], floors, marker="_", s=600, color="k", label="memory floor")
+    ax.set_xticks([x + width for x in range(len(configs))])
+    ax.set_xticklabels([f"V={c[0]}\nK={c[1]} B={c[2]}\n{c[3][:5]}" for c in configs], fontsize=7)
+    ax.set_ylabel("us per call (log)")
+    ax.set_yscale("log")
+    ax.set_title(f"DSpark Markov walk on {gpu}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(prefix.with_suffix(".png"), dpi=120)
+    return table
+
+
+def main(argv=None):
+    import argparse
+    import os
+    import subprocess
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="benchmarks/results/h200", help="output prefix (.md, .json, .png)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="two rows only")
+    args = p.parse_args(argv)
+    rows = ROWS[:1] + ROWS[2:3] if args.quick else ROWS
+    gpu = jax.devices()[0].device_kind
+    commit = os.environ.get("JAX_MARKOV_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    command = "python3 " + " ".join(sys.argv)
+    bandwidth, results = run_gpu(rows=rows, repeats=args.repeats,
+                                 log=lambda s: print(s, flush=True))
+    print(write_report(bandwidth, results, args.out, command=command, gpu=gpu, commit=commit))
+
+
+if __name__ == "__main__":
+    main()

@@ -58,7 +58,8 @@ def _cuda_rule(ctx, *args, params):
         return _reference_rule(ctx, *args, params=params)
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
-    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype)
+    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype,
+                                            auto=params.impl == "auto")
     if reason is None:
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":

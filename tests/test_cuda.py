@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(not (_has_gpu() and native.cuda_available()),
 NEAR_TIE = 2e-5
 LOGIT_RTOL, LOGIT_ATOL = 2e-5, 2e-5
 MAX_NEAR_TIE_ROWS = 0.05
+MAX_NEAR_TIE_ROWS_NARROW = 0.3
 
 
 def make_case(rng, batch, steps, vocab, *, v_target=None, base_dtype=jnp.bfloat16, w1_dtype=jnp.bfloat16,
@@ -110,7 +111,9 @@ def check_parity(base, anchor, head, kw, *, logits_dtype=jnp.float32, **walk_kw)
                 f"request {b} step {k}: kernel chose {tok_got[b, k]} (score {mine}), reference {tok_ref[b, k]} "
                 f"(score {best}) -- not a near-tie")
             near_ties += 1
-    assert near_ties <= max(1, MAX_NEAR_TIE_ROWS * batch), f"{near_ties} near-tie rows of {batch}"
+    # Rounding logits to bf16/f16 before choosing makes exact ties common, so near-ties are too.
+    limit = MAX_NEAR_TIE_ROWS if logits_dtype == jnp.float32 else MAX_NEAR_TIE_ROWS_NARROW
+    assert near_ties <= max(1, limit * batch), f"{near_ties} near-tie rows of {batch}"
     assert np.all((tok_got >= 0) & (tok_got < head.w1.shape[0] + (0 if d2t is None else vocab)))
     return near_ties
 

@@ -38,6 +38,7 @@ constexpr int kTileRows = 16;
 constexpr int kTileBytes = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 128;  // 16 n-tiles of 8 columns
+constexpr int kMaxStageBytes = 40 * 1024;
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -60,6 +61,7 @@ struct WalkArgs {
   int base_dtype, w1_dtype, logits_dtype;
   float logit_scale;
   int tiles_per_cta, resident_tiles;
+  int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
 };
 
 __device__ __forceinline__ float LoadAsFloat(const void* p, size_t i, int dtype) {
@@ -67,6 +69,31 @@ __device__ __forceinline__ float LoadAsFloat(const void* p, size_t i, int dtype)
   const unsigned short bits = __ldcs(static_cast<const unsigned short*>(p) + i);
   if (dtype == kBF16) return __bfloat162float(__ushort_as_bfloat16(bits));
   return __half2float(__ushort_as_half(bits));
+}
+
+__device__ __forceinline__ float SharedAsFloat(const unsigned char* p, size_t i, int dtype) {
+  if (dtype == kF32) return reinterpret_cast<const float*>(p)[i];
+  const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[i];
+  if (dtype == kBF16) return __bfloat162float(__ushort_as_bfloat16(bits));
+  return __half2float(__ushort_as_half(bits));
+}
+
+__device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Starts copying request rows [first_row, first_row + rows) of step k's base logits into `staged`
+// ([B][stage_rows]) with cp.async; V and first_row are such that every 16-byte chunk is whole.
+template <int THREADS>
+__device__ __forceinline__ void StageBaseLogits(const WalkArgs& a, unsigned char* staged, int stage_rows, int first_row,
+                                                int rows, int k) {
+  const int esize = ElementBytes(a.base_dtype);
+  const int chunks = rows * esize / 16;
+  for (int c = threadIdx.x; c < a.batch * chunks; c += THREADS) {
+    const int rq = c / chunks, j = c % chunks;
+    const char* src = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize + 16 * j;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + size_t(rq) * stage_rows * esize + 16 * j));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Stores l in the logits dtype and returns the stored value (the walk chooses from it).
@@ -186,16 +213,25 @@ __device__ __forceinline__ int SlotRequestOf(int i, int t) {
 }
 
 // Base logits for kGroup slots starting at `first`, rows row_a and row_b, at clamped indices.
+// With staging, they come from the CTA's shared-memory copy `staged` ([B][stage_rows] rows from
+// `first_row`) instead.
 template <bool SPLIT, int kGroup, int kSlots>
-__device__ __forceinline__ void LoadBaseGroupImpl(const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
+__device__ __forceinline__ void LoadBaseGroupImpl(const WalkArgs& a, const unsigned char* staged, int stage_rows,
+                                                  int first_row, int first, int k, int row_a, int row_b, int t,
                                                   float (&base_a)[kGroup], float (&base_b)[kGroup]) {
   const int ra = min(row_a, a.vocab - 1), rb = min(row_b, a.vocab - 1);
 #pragma unroll
   for (int gi = 0; gi < kGroup; ++gi) {
     const int rq = min(SlotRequestOf<SPLIT>(min(first + gi, kSlots - 1), t), a.batch - 1);
-    const size_t offset = (size_t(rq) * a.steps + k) * a.vocab;
-    base_a[gi] = LoadAsFloat(a.base, offset + ra, a.base_dtype);
-    base_b[gi] = LoadAsFloat(a.base, offset + rb, a.base_dtype);
+    if (a.stage_base) {
+      const size_t offset = size_t(rq) * stage_rows - first_row;
+      base_a[gi] = SharedAsFloat(staged, offset + ra, a.base_dtype);
+      base_b[gi] = SharedAsFloat(staged, offset + rb, a.base_dtype);
+    } else {
+      const size_t offset = (size_t(rq) * a.steps + k) * a.vocab;
+      base_a[gi] = LoadAsFloat(a.base, offset + ra, a.base_dtype);
+      base_b[gi] = LoadAsFloat(a.base, offset + rb, a.base_dtype);
+    }
   }
 }
 
@@ -215,10 +251,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kChains = NT <= 2 ? 2 : 1;
   constexpr int kRowsPerPass = 4;  // W1 rows a warp fetches at once
   const auto SlotRequest = [](int i, int t) { return SlotRequestOf<SPLIT>(i, t); };
-  const auto LoadBaseGroup = [](const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
-                                float (&base_a)[kGroup], float (&base_b)[kGroup]) {
-    LoadBaseGroupImpl<SPLIT, kGroup, kSlots>(a, first, k, row_a, row_b, t, base_a, base_b);
-  };
   extern __shared__ __align__(16) unsigned char smem[];
   uint2* frag = reinterpret_cast<uint2*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
@@ -229,7 +261,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* key1 = key0 + kMaxBatch;
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
-  unsigned char* resident = smem + Smem<NT>::kFixedBytes;
+  const int stage_rows = a.tiles_per_cta * kTileRows;
+  unsigned char* staged = smem + Smem<NT>::kFixedBytes;
+  unsigned char* resident = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
+  const int first_row = blockIdx.x * a.tiles_per_cta * kTileRows;
+  const auto LoadBaseGroup = [&](const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
+                                 float (&base_a)[kGroup], float (&base_b)[kGroup]) {
+    LoadBaseGroupImpl<SPLIT, kGroup, kSlots>(a, staged, stage_rows, first_row, first, k, row_a, row_b, t, base_a, base_b);
+  };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -253,6 +292,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   __syncthreads();
 
   for (int k = 0; k < steps; ++k) {
+    // 0. Step k's base logits for this CTA's rows start moving into shared memory while the
+    //    fragments are built.
+    if (a.stage_base && my_tiles > 0) {
+      StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, min(my_tiles * kTileRows, vocab - first_row), k);
+    }
+
     // 1. e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A warp fetches the rows
     //    of kRowsPerPass requests before converting any, so their latencies overlap.
     for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
@@ -276,6 +321,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         BuildFragments<NT, SPLIT>(a, b, k, lane, w1_raw[u], frag, unscale);
       }
     }
+    if (a.stage_base) asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
 
     // 2. Score this CTA's tiles; keep the best key per owned request in registers.
@@ -482,9 +528,15 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
   args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - Smem<NT>::kFixedBytes) / kTileBytes);
+  // Small batches stage each step's base logits in shared memory (one bulk copy per step instead of
+  // a global-latency wait per tile), at the price of some resident W2 tiles.
+  const int esize = args.base_dtype == kF32 ? 4 : 2;
+  const int stage_bytes = args.batch * args.tiles_per_cta * kTileRows * esize;
+  args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  const int fixed = Smem<NT>::kFixedBytes + (args.stage_base ? stage_bytes : 0);
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
-  const int smem = Smem<NT>::kFixedBytes + args.resident_tiles * kTileBytes;
+  const int smem = fixed + args.resident_tiles * kTileBytes;
   // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
   // SM, once per device: these calls cost host time on every launch otherwise.
   static std::mutex mu;
