@@ -102,8 +102,9 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
     amax = jnp.max(jnp.abs(w2), axis=1)
     # XLA rewrites `x / broadcast(y)` as `x * broadcast(1 / y)`, which is not the division SPEC.md
     # asks for (scale and q would differ from max|row| / 127 and round(W2 / scale) in the last bit).
-    # Full-size divisors behind an optimization barrier keep the true IEEE division.
-    divisor = lax.optimization_barrier(jnp.full_like(amax, 127.0))
+    # Full-size divisors behind an optimization barrier keep the true IEEE division. The 127s are
+    # derived from amax so that under vmap they are batched too (not a broadcast of a constant).
+    divisor = lax.optimization_barrier(jnp.where(amax >= 0, jnp.float32(127.0), jnp.float32(127.0)))
     scale = jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
     divisor = lax.optimization_barrier(jnp.broadcast_to(scale[:, None], w2.shape))
     q = jnp.clip(jnp.round(w2 / divisor), -127, 127).astype(jnp.int8)

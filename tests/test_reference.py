@@ -1,0 +1,588 @@
+"""jax_markov.reference.walk against an independent, loop-based NumPy reading of SPEC.md.
+
+The oracle below shares no code with the package: its own Philox4x32-10 in Python ints, its own
+Gumbel noise, a loop over requests, steps and vocabulary in float32 NumPy arithmetic, int8 heads
+dequantized as q * scale.
+
+Tolerances (SPEC.md "Numerics and parity"): tokens must be equal, except where the oracle's best
+score and its score of the other token differ by at most TOL + RTOL * |best| (near-ties; the rest
+of such a request is not compared because it walks from another token), with at most one such
+request per case. TOL = 1e-4 and RTOL = 1e-5 for float32 logits; when the logits are rounded to
+bfloat16 / float16 before choosing, RTOL = 2^-6 / 2^-9 (one ulp of the rounded logit times 1/T <= 2).
+Logits: float32 rtol 1e-5 atol 1e-4; bfloat16 rtol 2^-7 atol 1e-3; float16 rtol 2^-10 atol 1e-3
+(one ulp of the stored dtype). Embeddings: exactly equal.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from scipy import stats
+
+import jax_markov
+from jax_markov import philox, reference
+
+# ---------------------------------------------------------------------------------------------
+# The independent oracle
+# ---------------------------------------------------------------------------------------------
+
+MASK32 = 0xFFFFFFFF
+
+
+def philox_py(counter, key):
+    """Philox4x32-10 (Random123) in Python ints."""
+    c0, c1, c2, c3 = (int(c) & MASK32 for c in counter)
+    k0, k1 = (int(k) & MASK32 for k in key)
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & MASK32, p1 & MASK32, ((p0 >> 32) ^ c3 ^ k1) & MASK32, p0 & MASK32
+        k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+    return c0, c1, c2, c3
+
+
+def uniform_py(x):
+    return np.float32((x >> 9) + 0.5) * np.float32(2.0**-23)  # both factors exact in fp32
+
+
+def gumbel_py(k0, k1, v, position):
+    x = philox_py((v, position, 0x40000000, 0), (k0, k1))[0]
+    u = uniform_py(x)
+    return -np.log(-np.log(u))  # float32 throughout
+
+
+NP_DTYPES = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16,
+             jnp.dtype(jnp.float16): np.float16}
+
+
+def round_to(x, dtype):
+    return np.asarray(x, np.float32).astype(NP_DTYPES[jnp.dtype(dtype)]).astype(np.float32)
+
+
+def head_f32(head):
+    """(W1, W2) as float32 NumPy arrays; an int8 W2 dequantized as q * scale (SPEC.md)."""
+    w1 = np.array(head.w1.astype(jnp.float32))
+    if isinstance(head, jax_markov.QuantizedMarkovHead):
+        q = np.asarray(head.q).astype(np.float32)
+        w2 = q * np.asarray(head.scale, np.float32)[:, None]
+    else:
+        w2 = np.asarray(head.w2.astype(jnp.float32))
+    return w1, w2
+
+
+def oracle_walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
+                logit_scale=1.0, d2t=None, logits_dtype=jnp.float32):
+    """SPEC.md, one request, one step, one column at a time. Returns dict(tokens [B, K] int64,
+    logits [B, K, V] f32 (rounded to logits_dtype), scores [B, K, V] f32, embeds [B, K, r] f32)."""
+    base = np.asarray(jnp.asarray(base_logits).astype(jnp.float32))
+    batch, steps, vocab = base.shape
+    w1, w2 = head_f32(head)
+    v_target, rank = w1.shape
+    vocab_size = vocab if vocab_size is None else vocab_size
+    anchor = np.asarray(anchor).astype(np.int64)
+    if temperature is None:
+        temperature = np.zeros(batch, np.float32)
+        key_words = np.zeros((batch, 2), np.uint32)
+        position = np.zeros(batch, np.int64)
+    else:
+        temperature = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
+        key_words = np.asarray(jax.random.key_data(key)) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) \
+            else np.asarray(key)
+        position = np.broadcast_to(np.asarray(position).astype(np.int64), (batch,))
+    d2t = None if d2t is None else np.asarray(d2t).astype(np.int64)
+    scale = np.float32(logit_scale)
+
+    tokens = np.zeros((batch, steps), np.int64)
+    logits = np.zeros((batch, steps, vocab), np.float32)
+    scores = np.zeros((batch, steps, vocab), np.float32)
+    embeds = np.zeros((batch, steps, rank), np.float32)
+    for b in range(batch):
+        prev = int(anchor[b])
+        t = np.float32(temperature[b])
+        sampled = bool(t > 0)
+        inv_t = np.float32(1.0) / t if sampled else None
+        for k in range(steps):
+            e = w1[min(max(prev, 0), v_target - 1)]
+            embeds[b, k] = e
+            row = np.empty(vocab, np.float32)
+            for v in range(vocab):
+                if v >= vocab_size:
+                    row[v] = -np.inf
+                else:
+                    bias = scale * np.dot(w2[v], e)  # float32 accumulation
+                    row[v] = np.float32(base[b, k, v]) + np.float32(bias)
+            row = round_to(row, logits_dtype)  # rounded *before* choosing
+            logits[b, k] = row
+            best, tok = None, None
+            for v in range(vocab):
+                s = row[v]
+                if sampled:
+                    s = np.float32(s * inv_t) + gumbel_py(key_words[b, 0], key_words[b, 1], v, position[b] + k)
+                scores[b, k, v] = s
+                if best is None:
+                    best, tok = s, v
+                elif np.isnan(best):
+                    continue  # the first NaN wins
+                elif np.isnan(s) or s > best:  # strict: the lowest index wins ties (-0 == +0)
+                    best, tok = s, v
+            if d2t is not None:
+                tok = tok + int(d2t[tok])
+            tokens[b, k] = tok
+            prev = tok
+    return dict(tokens=tokens, logits=logits, scores=scores, embeds=embeds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparison
+# ---------------------------------------------------------------------------------------------
+
+TOKEN_RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0**-6, jnp.dtype(jnp.float16): 2.0**-9}
+LOGIT_TOL = {jnp.dtype(jnp.float32): (1e-5, 1e-4), jnp.dtype(jnp.bfloat16): (2.0**-7, 1e-3),
+             jnp.dtype(jnp.float16): (2.0**-10, 1e-3)}  # (rtol, atol)
+
+
+def walk_both(base_logits, anchor, head, check, *, return_logits=True, return_embeds=True, **kw):
+    """Runs reference.walk and the oracle on the same inputs and compares them; returns both."""
+    got = reference.walk(base_logits, anchor, head, return_logits=return_logits,
+                         return_embeds=return_embeds, **kw)
+    want = oracle_walk(base_logits, anchor, head, **kw)
+    logits_dtype = jnp.dtype(kw.get("logits_dtype", jnp.float32)) if return_logits else jnp.dtype(jnp.float32)
+    assert got.tokens.dtype == jnp.int32 and got.tokens.shape == want["tokens"].shape
+    mismatches, mask = check(want["scores"], want["tokens"], got.tokens, 1e-4, rtol=TOKEN_RTOL[logits_dtype],
+                             d2t=kw.get("d2t"), max_mismatch_rows=1)
+    if mismatches:  # allowed (SPEC.md), but shown in pytest's warnings summary with its count
+        warnings.warn(f"reference vs oracle: {mismatches} request(s) differ at a near-tie", stacklevel=2)
+    if return_logits:
+        assert got.logits.dtype == logits_dtype and got.logits.shape == want["logits"].shape
+        rtol, atol = LOGIT_TOL[logits_dtype]
+        np.testing.assert_allclose(np.asarray(got.logits.astype(jnp.float32))[mask], want["logits"][mask],
+                                   rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        assert got.logits is None
+    if return_embeds:
+        assert got.embeds.dtype == head.w1.dtype
+        np.testing.assert_array_equal(np.asarray(got.embeds.astype(jnp.float32))[mask], want["embeds"][mask])
+    else:
+        assert got.embeds is None
+    return got, want
+
+
+# ---------------------------------------------------------------------------------------------
+# Philox, Gumbel, quantize
+# ---------------------------------------------------------------------------------------------
+
+KAT = [  # Random123 kat_vectors, philox4x32 10 rounds: counter, key, result
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    got = philox.philox4x32_10(tuple(np.uint32(c) for c in counter), tuple(np.uint32(k) for k in key))
+    assert tuple(int(x) for x in got) == expected
+    assert philox_py(counter, key) == expected  # the oracle's own Philox
+
+
+def test_philox_and_gumbel_match_python_ints(rng):
+    n = 64
+    ctr = rng.integers(0, 2**32, (4, n), dtype=np.uint64).astype(np.uint32)
+    key = rng.integers(0, 2**32, (2, n), dtype=np.uint64).astype(np.uint32)
+    got = np.stack([np.asarray(w) for w in philox.philox4x32_10(tuple(ctr), tuple(key))])
+    want = np.array([philox_py(ctr[:, i], key[:, i]) for i in range(n)], np.uint32).T
+    np.testing.assert_array_equal(got, want)
+
+    # u is exact and never 0 or 1, including at the extremes of the 32-bit word
+    x = np.array([0, 1, 511, 512, 2**31, MASK32 - 511, MASK32], np.uint32)
+    u = np.asarray(philox.uniform_from_bits(jnp.asarray(x)))
+    np.testing.assert_array_equal(u, np.array([uniform_py(int(v)) for v in x], np.float32))
+    assert u.min() > 0 and u.max() < 1 and u[0] == np.float32(2.0**-24) and u[-1] == np.float32(1 - 2.0**-24)
+
+    v = rng.integers(0, 50_000, n)
+    pos = rng.integers(0, 2**31, n)
+    g = np.asarray(philox.gumbel_noise((jnp.asarray(key[0]), jnp.asarray(key[1])), jnp.asarray(v, jnp.int32),
+                                       jnp.asarray(pos, jnp.int32)))
+    want_g = np.array([gumbel_py(key[0, i], key[1, i], v[i], pos[i]) for i in range(n)], np.float32)
+    np.testing.assert_allclose(g, want_g, rtol=1e-6, atol=1e-6)
+
+
+def quantize_np(w2):
+    w2 = np.asarray(w2, np.float32)
+    amax = np.abs(w2).max(axis=1)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w2 / scale[:, None]), -127, 127).astype(np.int8)  # rint: round half to even
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_quantize_matches_numpy(rng, dtype):
+    v, r = 37, 24
+    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
+    w2[3] = 0.0  # zero row: scale 1, q 0
+    w2[5, :8] = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5]  # scale 1, exact halves -> even
+    w2[5, 8:] = 0.25
+    w2[6] = -w2[5]
+    w2 = np.asarray(jnp.asarray(w2, dtype).astype(jnp.float32))
+    w1 = jnp.asarray(rng.normal(0, 1, (11, r)), jnp.bfloat16)
+    qhead = jax_markov.quantize(jax_markov.MarkovHead(w1, jnp.asarray(w2, dtype)))
+    assert qhead.q.dtype == jnp.int8 and qhead.scale.dtype == jnp.float32 and qhead.w1 is w1
+    q, scale = quantize_np(w2)
+    np.testing.assert_array_equal(np.asarray(qhead.scale), scale)
+    np.testing.assert_array_equal(np.asarray(qhead.q), q)
+    assert scale[3] == 1.0 and not q[3].any()
+    np.testing.assert_array_equal(q[5, :8], [127, 0, 2, 2, 0, -2, 4, -126])
+    np.testing.assert_array_equal(q[6, :8], [-127, 0, -2, -2, 0, 2, -4, 126])
+    assert np.abs(q).max(axis=1)[np.abs(w2).max(axis=1) > 0].min() == 127  # every nonzero row uses the range
+    np.testing.assert_array_equal(np.asarray(qhead.dequantized_w2()), q.astype(np.float32) * scale[:, None])
+    # quantization error at most half a step per element
+    assert np.all(np.abs(q * scale[:, None] - w2) <= scale[:, None] * (0.5 + 1e-6))
+    assert jax_markov.quantize(qhead) is qhead
+    with pytest.raises(TypeError, match="MarkovHead"):
+        jax_markov.quantize((w1, w2))
+
+
+def test_head_repr_reports_memory():
+    v, r, vt = 4096, 256, 6000
+    head = jax_markov.MarkovHead(jnp.zeros((vt, r), jnp.bfloat16), jnp.zeros((v, r), jnp.bfloat16))
+    total = (vt * r * 2 + v * r * 2) / 2**20
+    assert head.nbytes == vt * r * 2 + v * r * 2
+    assert repr(head) == f"MarkovHead(w1=bfloat16[{vt}, {r}], w2=bfloat16[{v}, {r}], memory={total:.1f} MiB)"
+    qhead = jax_markov.quantize(head)
+    w2_bytes = v * r + 4 * v
+    assert qhead.nbytes == vt * r * 2 + w2_bytes
+    text = repr(qhead)
+    assert f"w2 memory={w2_bytes / 2**20:.1f} MiB" in text
+    assert f"total memory={(vt * r * 2 + w2_bytes) / 2**20:.1f} MiB" in text
+    assert f"q=int8[{v}, {r}]" in text and (head.rank, head.draft_vocab, head.target_vocab) == (r, v, vt)
+    assert (qhead.rank, qhead.draft_vocab, qhead.target_vocab) == (r, v, vt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk against the oracle
+# ---------------------------------------------------------------------------------------------
+
+FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
+W2_TYPES = FLOATS + ["int8"]
+# Every base dtype with every W2 type; for each W2 type, W1 and logits_dtype take every value too
+# (a covering set of the 3 x 3 x 4 x 3 product: one compile per case keeps the file fast).
+DTYPE_CASES = [(FLOATS[ib], FLOATS[(ib + iw) % 3], W2_TYPES[iw], FLOATS[(ib + 2 * iw) % 3], (ib + iw) % 3 != 1)
+               for ib, iw in itertools.product(range(3), range(4))]
+
+
+def _name(d):
+    return d if isinstance(d, str) else jnp.dtype(d).name
+
+
+@pytest.mark.parametrize("base_dtype,w1_dtype,w2_dtype,logits_dtype,sampled", DTYPE_CASES,
+                         ids=[f"base_{_name(a)}-w1_{_name(b)}-w2_{_name(c)}-logits_{_name(d)}-{'mixed' if e else 'greedy'}"
+                              for a, b, c, d, e in DTYPE_CASES])
+def test_walk_matches_oracle_every_dtype(rng, make_head, make_inputs, assert_tokens_match,
+                                         base_dtype, w1_dtype, w2_dtype, logits_dtype, sampled):
+    b, k, v, r = 6, 3, 40, 16
+    head = make_head(rng, v, r, w1_dtype=w1_dtype, w2_dtype=w2_dtype)
+    inputs = make_inputs(rng, b, k, v, dtype=base_dtype, sampled=sampled)
+    got, want = walk_both(head=head, check=assert_tokens_match, logits_dtype=logits_dtype, **inputs)
+    # the oracle's logits really carry the Markov bias (so the comparison above checks it)
+    bias = want["logits"] - np.asarray(inputs["base_logits"].astype(jnp.float32))
+    assert np.abs(bias).mean() > 0.3
+
+
+def test_walk_f32_logits_without_rounding(rng, make_head, make_inputs, assert_tokens_match):
+    """return_logits=False: no rounding, the float32 l_k is chosen from."""
+    head = make_head(rng, 33, 8, w1_dtype=jnp.float32, w2_dtype=jnp.float32)
+    inputs = make_inputs(rng, 7, 4, 33, sampled=True)
+    walk_both(head=head, check=assert_tokens_match, return_logits=False, return_embeds=False, **inputs)
+
+
+@pytest.mark.parametrize("w2_dtype", [jnp.bfloat16, "int8"])
+def test_exact_ties_lowest_index_wins(rng, make_head, make_inputs, assert_tokens_match, w2_dtype):
+    b, k, v, r = 5, 3, 32, 8
+    head = make_head(rng, v, r, w2_dtype=jnp.float32)
+    w2 = np.array(head.w2)
+    tied = [(4, 9, 30), (2, 17), (11, 12, 13)]  # per step: columns with identical rows and base logits
+    for cols in tied:
+        w2[list(cols)] = w2[cols[0]]
+    head = jax_markov.MarkovHead(head.w1, jnp.asarray(w2, jnp.float32 if w2_dtype == "int8" else w2_dtype))
+    if w2_dtype == "int8":
+        head = jax_markov.quantize(head)
+    inputs = make_inputs(rng, b, k, v)
+    base = np.array(inputs["base_logits"])
+    for step, cols in enumerate(tied):
+        base[:, step, list(cols)] = 40.0  # far above everything else: the tied columns are the maximum
+    inputs["base_logits"] = jnp.asarray(base)
+    got, want = walk_both(head=head, check=assert_tokens_match, **inputs)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want["tokens"])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.broadcast_to([c[0] for c in tied], (b, k)))
+    logits = np.asarray(got.logits)
+    for step, cols in enumerate(tied):  # a real tie, not a near one
+        assert np.all(logits[:, step, list(cols)] == logits[:, step, cols[:1]])
+
+
+def test_nan_first_nan_wins(rng, make_head, make_inputs, assert_tokens_match):
+    b, k, v, r = 6, 3, 24, 8
+    head = make_head(rng, v, r)
+    inputs = make_inputs(rng, b, k, v, sampled=True)  # rows 0 and 3 greedy, the others sampled
+    inputs["anchor"] = jnp.asarray(rng.integers(4, v, b), jnp.int32)  # not 3 (see the W1 NaN below)
+    base = np.array(inputs["base_logits"])
+    base[:, 0, [7, 3, 19]] = np.nan  # step 0: first NaN is column 3, for greedy and sampled rows
+    base[1, 1, :] = np.nan  # all NaN: column 0
+    base[3, 2, [21, 5]] = np.nan
+    inputs["base_logits"] = jnp.asarray(base)
+    got, want = walk_both(head=head, check=assert_tokens_match, **inputs)
+    tokens = np.asarray(got.tokens)
+    np.testing.assert_array_equal(tokens, want["tokens"])
+    assert np.all(tokens[:, 0] == 3) and tokens[1, 1] == 0 and tokens[3, 2] == 5
+    assert np.isnan(np.asarray(got.logits)[:, 0, [3, 7, 19]]).all()
+
+    # a NaN in W1 poisons every column of the step after the token whose row it is
+    w1 = np.array(head.w1.astype(jnp.float32))
+    w1[tokens[2, 0], 1] = np.nan
+    head2 = jax_markov.MarkovHead(jnp.asarray(w1, jnp.bfloat16), head.w2)
+    got2, want2 = walk_both(head=head2, check=assert_tokens_match, **inputs)
+    np.testing.assert_array_equal(np.asarray(got2.tokens), want2["tokens"])
+    assert got2.tokens[2, 1] == 0 and np.isnan(np.asarray(got2.logits)[2, 1]).all()
+
+
+def test_signed_zeros_tie(rng, make_head, assert_tokens_match):
+    """-0 and +0 compare equal: the lower column wins whichever sign it has."""
+    b, k, v, r = 4, 2, 12, 8
+    head = make_head(rng, v, r, w2_dtype=jnp.float32)
+    w2 = np.array(head.w2)
+    w2[[1, 2, 4, 6]] = 0.0  # bias exactly +0 there
+    head = jax_markov.MarkovHead(head.w1, jnp.asarray(w2))
+    base = -rng.uniform(20.0, 30.0, (b, k, v)).astype(np.float32)
+    base[:, 0, 2], base[:, 0, 6] = -0.0, 0.0
+    base[:, 1, 1], base[:, 1, 4] = 0.0, -0.0
+    anchor = jnp.asarray(rng.integers(0, v, b), jnp.int32)
+    for logit_scale in (1.0, 0.0, -1.0):
+        # logit_scale 0 * a negative dot product is -0: every column gets a signed zero added
+        got, want = walk_both(jnp.asarray(base), anchor, head, assert_tokens_match, logit_scale=logit_scale)
+        np.testing.assert_array_equal(np.asarray(got.tokens), want["tokens"])
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.broadcast_to([2, 1], (b, k)))
+
+
+@pytest.mark.parametrize("vocab_size", [1, 29])
+def test_padding_never_chosen(rng, make_head, make_inputs, assert_tokens_match, vocab_size):
+    b, k, v, r = 6, 3, 48, 8
+    head = make_head(rng, v, r, w2_dtype="int8")
+    inputs = make_inputs(rng, b, k, v, sampled=True)
+    base = np.array(inputs["base_logits"])
+    base[:, :, vocab_size:] = 1e4  # would win everywhere if it were not padding
+    inputs["base_logits"] = jnp.asarray(base)
+    got, want = walk_both(head=head, check=assert_tokens_match, vocab_size=vocab_size, **inputs)
+    tokens = np.asarray(got.tokens)
+    assert tokens.max() < vocab_size
+    assert np.all(np.asarray(got.logits)[:, :, vocab_size:] == -np.inf)
+    assert np.isfinite(np.asarray(got.logits)[:, :, :vocab_size]).all()
+    if vocab_size == 1:
+        assert not tokens.any()
+
+
+def test_d2t_target_ids_fed_back(rng, make_head, make_inputs, assert_tokens_match):
+    b, k, v, vt, r = 6, 4, 24, 61, 8
+    head = make_head(rng, v, r, v_target=vt, w1_dtype=jnp.float32, w2_dtype=jnp.bfloat16)
+    assert head.w1.shape == (vt, r)
+    targets = np.sort(rng.choice(vt, v, replace=False))
+    targets[-1] = vt + 5  # one draft id maps outside the target vocabulary: returned as is, clamped when fed back
+    d2t = jnp.asarray(targets - np.arange(v), jnp.int32)
+    inputs = make_inputs(rng, b, k, v, v_target=vt, sampled=True)
+    base = np.array(inputs["base_logits"])
+    base[0, 1, v - 1] = 50.0  # request 0 drafts the out-of-range id at step 1
+    inputs["base_logits"] = jnp.asarray(base)
+    got, want = walk_both(head=head, check=assert_tokens_match, d2t=d2t, **inputs)
+    tokens = np.asarray(got.tokens)
+    assert np.isin(tokens, targets).all() and tokens[0, 1] == vt + 5
+    embeds = np.asarray(got.embeds)
+    w1 = np.asarray(head.w1)
+    np.testing.assert_array_equal(embeds[:, 1:], w1[np.clip(tokens[:, :-1], 0, vt - 1)])
+    np.testing.assert_array_equal(embeds[:, 0], w1[np.asarray(inputs["anchor"])])
+    assert (tokens >= v).any()  # target ids beyond the draft vocabulary really are returned and fed back
+
+
+@pytest.mark.parametrize("logit_scale", [-1.5, 3.0])
+def test_logit_scale(rng, make_head, make_inputs, assert_tokens_match, logit_scale):
+    head = make_head(rng, 30, 8, w2_dtype=jnp.float16)
+    inputs = make_inputs(rng, 6, 3, 30, sampled=True)
+    got, want = walk_both(head=head, check=assert_tokens_match, logit_scale=logit_scale, **inputs)
+    one = reference.walk(head=head, return_logits=True, return_embeds=True, **inputs)
+    # l - base is linear in logit_scale (same embeddings where the tokens agree)
+    same = np.asarray(one.embeds == got.embeds).all(axis=-1)
+    assert same[:, 0].all()
+    base = np.array(inputs["base_logits"])
+    delta_s = (np.asarray(got.logits) - base)[same]
+    delta_1 = (np.asarray(one.logits) - base)[same]
+    np.testing.assert_allclose(delta_s, logit_scale * delta_1, rtol=1e-4, atol=1e-4)
+
+
+def test_anchor_out_of_range_is_clamped(rng, make_head, make_inputs, assert_tokens_match):
+    v, vt, r = 20, 33, 8
+    head = make_head(rng, v, r, v_target=vt)
+    anchor = jnp.asarray([-7, vt, vt + 100, 2**31 - 1, -(2**31), 0, vt - 1], jnp.int32)
+    inputs = make_inputs(rng, anchor.shape[0], 3, v, v_target=vt, sampled=True)
+    inputs["anchor"] = anchor
+    got, want = walk_both(head=head, check=assert_tokens_match, **inputs)
+    clamped = np.clip(np.asarray(anchor), 0, vt - 1)
+    np.testing.assert_array_equal(np.asarray(got.embeds[:, 0]), np.asarray(head.w1)[clamped])
+    inputs["anchor"] = jnp.asarray(clamped)
+    again = reference.walk(head=head, return_logits=True, return_embeds=True, **inputs)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(got.tokens))
+    np.testing.assert_array_equal(np.asarray(again.logits), np.asarray(got.logits))
+
+
+@pytest.mark.parametrize("logits_dtype,expected", [(jnp.float32, 7), (jnp.bfloat16, 3), (jnp.float16, 3)])
+def test_logits_rounded_before_choosing(rng, make_head, assert_tokens_match, logits_dtype, expected):
+    """f32 l: column 7 (1.0004) beats column 3 (1.0003); both round to 1.0 in bf16/f16, a tie that
+    the lower column wins. The stored row is exactly what was chosen from."""
+    b, k, v, r = 3, 2, 16, 8
+    head = make_head(rng, v, r, w2_dtype=jnp.float32)
+    w2 = np.array(head.w2)
+    w2[[3, 7]] = 0.0
+    head = jax_markov.MarkovHead(head.w1, jnp.asarray(w2))
+    base = rng.uniform(-30.0, -20.0, (b, k, v)).astype(np.float32)
+    base[:, 0, 3], base[:, 0, 7] = 1.0003, 1.0004
+    anchor = jnp.asarray(rng.integers(0, v, b), jnp.int32)
+    got, want = walk_both(jnp.asarray(base), anchor, head, assert_tokens_match, logits_dtype=logits_dtype)
+    np.testing.assert_array_equal(np.asarray(got.tokens[:, 0]), expected)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want["tokens"])
+    if expected == 3:
+        assert np.all(np.asarray(got.logits[:, 0, 3]) == 1.0) and np.all(np.asarray(got.logits[:, 0, 7]) == 1.0)
+    # without asking for logits nothing is rounded
+    plain = reference.walk(jnp.asarray(base), anchor, head, logits_dtype=logits_dtype)
+    np.testing.assert_array_equal(np.asarray(plain.tokens[:, 0]), 7)
+
+
+def test_sampled_bf16_logits_choose_from_the_stored_row(rng, make_head, make_inputs, assert_tokens_match):
+    """Sampled rows with bf16 logits: the Gumbel-max of the *stored* row reproduces the tokens."""
+    head = make_head(rng, 40, 8)
+    inputs = make_inputs(rng, 9, 3, 40, sampled=True)
+    got, _ = walk_both(head=head, check=assert_tokens_match, logits_dtype=jnp.bfloat16, **inputs)
+    key = np.asarray(jax.random.key_data(inputs["key"]))
+    temps, pos = np.asarray(inputs["temperature"]), np.asarray(inputs["position"])
+    logits = np.asarray(got.logits.astype(jnp.float32))
+    for bi in range(9):
+        for ki in range(3):
+            s = logits[bi, ki]
+            if temps[bi] > 0:
+                inv_t = np.float32(1.0) / temps[bi]
+                s = np.array([np.float32(s[c] * inv_t) + gumbel_py(key[bi, 0], key[bi, 1], c, pos[bi] + ki)
+                              for c in range(40)], np.float32)
+            assert got.tokens[bi, ki] == np.argmax(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the distribution, reproducibility, independence
+# ---------------------------------------------------------------------------------------------
+
+P_MIN = 1e-3  # chi-square p-value threshold (fixed seeds: the outcome is deterministic)
+
+
+def softmax64(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _sampling_setup(rng, n, k, v, r, temperature, seed):
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32),
+                                 jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32))
+    row = rng.normal(0, 0.7, (k, v)).astype(np.float32)
+    base = jnp.broadcast_to(jnp.asarray(row), (n, k, v))
+    keys = jax.random.split(jax.random.key(seed), n)
+    kw = dict(temperature=jnp.full((n,), temperature, jnp.float32), key=keys,
+              position=jnp.full((n,), 1000, jnp.int32))
+    return head, row, base, kw
+
+
+def _bias64(head, prev):
+    w1, w2 = (np.asarray(w, np.float64) for w in head_f32(head))
+    return w2 @ w1[prev]
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_sampling_distribution_one_step(rng, temperature):
+    n, v = 40_000, 8
+    head, row, base, kw = _sampling_setup(rng, n, 1, v, 8, temperature, seed=11)
+    anchor = jnp.full((n,), 5, jnp.int32)
+    tokens = np.asarray(reference.walk(base, anchor, head, **kw).tokens[:, 0])
+    probs = softmax64((row[0] + _bias64(head, 5)) / temperature)
+    assert probs.min() * n > 20
+    counts = np.bincount(tokens, minlength=v)
+    p = stats.chisquare(counts, probs * n).pvalue
+    assert p > P_MIN, (counts, probs * n, p)
+    # the test has power: the distribution without the Markov bias is rejected
+    probs_nobias = softmax64(row[0] / temperature)
+    assert stats.chisquare(counts, probs_nobias * n).pvalue < 1e-6
+
+
+def test_sampling_distribution_two_steps_with_markov_bias(rng):
+    """Joint law of (tok_0, tok_1): p(t0) * p(t1 | t0), the second step biased by the first token."""
+    n, v, t = 40_000, 6, 1.3
+    head, row, base, kw = _sampling_setup(rng, n, 2, v, 8, t, seed=12)
+    anchor = jnp.full((n,), 2, jnp.int32)
+    tokens = np.asarray(reference.walk(base, anchor, head, **kw).tokens)
+    p0 = softmax64((row[0] + _bias64(head, 2)) / t)
+    joint = np.stack([p0[a] * softmax64((row[1] + _bias64(head, a)) / t) for a in range(v)])
+    assert joint.min() * n > 5
+    counts = np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v)
+    p = stats.chisquare(counts, joint.ravel() * n).pvalue
+    assert p > P_MIN, p
+    # power: the law with the bias of the anchor (not of the drafted token) at step 1 is rejected
+    wrong = np.outer(p0, softmax64((row[1] + _bias64(head, 2)) / t))
+    assert stats.chisquare(counts, wrong.ravel() * n).pvalue < 1e-6
+
+
+def test_same_key_and_position_same_tokens(rng, make_head, make_inputs):
+    b, k, v = 8, 4, 32
+    head = make_head(rng, v, 8)
+    inputs = make_inputs(rng, b, k, v, sampled=True)
+    inputs["temperature"] = jnp.full((b,), 1.0, jnp.float32)
+    first = np.asarray(reference.walk(head=head, **inputs).tokens)
+    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **inputs).tokens), first)
+    # a request's tokens do not depend on the rest of the batch
+    for i in (0, 5):
+        alone = reference.walk(head=head, **{n: x[i:i + 1] for n, x in inputs.items()})
+        np.testing.assert_array_equal(np.asarray(alone.tokens[0]), first[i])
+    # raw key words give the same tokens as typed keys
+    raw = dict(inputs, key=jax.random.key_data(inputs["key"]))
+    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **raw).tokens), first)
+
+
+def test_different_position_independent_tokens(rng):
+    n, v, t = 20_000, 6, 1.0
+    head, row, base, kw = _sampling_setup(rng, n, 1, v, 8, t, seed=13)
+    anchor = jnp.full((n,), 1, jnp.int32)
+    a = np.asarray(reference.walk(base, anchor, head, **kw).tokens[:, 0])
+    kw2 = dict(kw, position=kw["position"] + 17)
+    c = np.asarray(reference.walk(base, anchor, head, **kw2).tokens[:, 0])
+    probs = softmax64((row[0] + _bias64(head, 1)) / t)
+    # both follow the law, differ where an independent draw would, and are independent of each other
+    for tok in (a, c):
+        assert stats.chisquare(np.bincount(tok, minlength=v), probs * n).pvalue > P_MIN
+    expected_diff = 1 - (probs**2).sum()
+    assert abs(np.mean(a != c) - expected_diff) < 5 * np.sqrt(expected_diff * (1 - expected_diff) / n)
+    table = np.zeros((v, v))
+    np.add.at(table, (a, c), 1)
+    assert stats.chi2_contingency(table).pvalue > P_MIN
+    # another key at the same position is also another draw
+    kw3 = dict(kw, key=jax.random.split(jax.random.key(99), n))
+    d = np.asarray(reference.walk(base, anchor, head, **kw3).tokens[:, 0])
+    assert abs(np.mean(a != d) - expected_diff) < 5 * np.sqrt(expected_diff * (1 - expected_diff) / n)
+
+
+def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
+    b, k, v = 6, 3, 32
+    head = make_head(rng, v, 8)
+    inputs = make_inputs(rng, b, k, v, sampled=True)
+    inputs["temperature"] = jnp.asarray([0.0, 1.0, 0.0, -1.0, jnp.nan, 0.7], jnp.float32)  # <= 0 or NaN: greedy
+    got = np.asarray(reference.walk(head=head, **inputs).tokens)
+    greedy = np.asarray(reference.walk(inputs["base_logits"], inputs["anchor"], head).tokens)
+    np.testing.assert_array_equal(got[[0, 2, 3, 4]], greedy[[0, 2, 3, 4]])
+    other = dict(inputs, key=jax.random.split(jax.random.key(5), b), position=inputs["position"] + 100)
+    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **other).tokens)[[0, 2, 3, 4]],
+                                  greedy[[0, 2, 3, 4]])
