@@ -1,0 +1,35 @@
+// The nanobind module `jax_markov._markov_cpu`: hands the CPU custom call to jax.ffi.register_ffi_target.
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" XLA_FFI_Error* JaxMarkovWalkCpu(XLA_FFI_CallFrame* call_frame);
+
+namespace jax_markov {
+const char* CpuIsaName();
+bool SetCpuIsa(const std::string& name);
+}  // namespace jax_markov
+
+namespace nb = nanobind;
+
+NB_MODULE(_markov_cpu, m) {
+  m.doc() = "The jax_markov CPU custom call (XLA FFI target jax_markov_walk).";
+  m.def("handler", [] { return nb::capsule(reinterpret_cast<void*>(&JaxMarkovWalkCpu)); },
+        "The XLA FFI handler of jax_markov_walk, as a PyCapsule for jax.ffi.register_ffi_target.");
+  m.def("isa", [] { return std::string(jax_markov::CpuIsaName()); },
+        "The SIMD path the handler runs: 'avx2' (AVX2+FMA+F16C, chosen at run time) or 'generic'.");
+  m.def(
+      "set_isa",
+      [](const std::string& name) {
+        if (!jax_markov::SetCpuIsa(name)) {
+          throw nb::value_error(("set_isa: expected 'auto', 'generic' or (on a CPU that has it) 'avx2', got '" +
+                                 name + "'").c_str());
+        }
+      },
+      nb::arg("name"),
+      "Force the SIMD path ('generic', 'avx2' or 'auto'), for tests and benchmarks. The environment variable "
+      "JAX_MARKOV_CPU_ISA=generic does the same at load time.");
+}
