@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import re
+import site
 import subprocess
 import sys
 
@@ -48,15 +49,23 @@ COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute
 
 
 def test_sharding_suite_on_8_host_devices():
+    package = os.path.dirname(os.path.abspath(jax_markov.__file__))
     if EIGHT_DEVICE_RUN:
         assert jax.device_count() >= N_DEVICES, f"XLA_FLAGS has {FLAG} but jax sees {jax.devices()}"
+        parent = os.environ.get("JAX_MARKOV_SHARDING_PARENT_PACKAGE")
+        assert parent is None or os.path.samefile(parent, package), (parent, package)
         pytest.skip("8 host devices in this process: the tests below run here")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG).strip()
     env["JAX_PLATFORMS"] = "cpu"
+    # The child imports the jax_markov this process imported (installed, or the source tree):
+    # -P keeps the working directory off sys.path, PYTHONPATH puts the package's parent first.
+    if os.path.dirname(package) not in site.getsitepackages() + [site.getusersitepackages()]:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(package), env.get("PYTHONPATH")) if p)
+    env["JAX_MARKOV_SHARDING_PARENT_PACKAGE"] = package
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     tail = proc.stdout[-8000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, f"the 8-device run failed:\n{tail}"
     summary = proc.stdout.strip().splitlines()[-1]
