@@ -541,6 +541,107 @@ MARKOV_AVX2_FN void LogitsFor(ffi::DataType out_t, bool want, const BaseT* base,
   }
 }
 
+// Philox4x32-10 word 0 for 8 counters (c0 = v .. v + 7) at once, as Philox4x32Word0.
+MARKOV_AVX2_INLINE __m256i MulHi32(__m256i a, __m256i m, __m256i* lo) {
+  const __m256i even = _mm256_mul_epu32(a, m);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+MARKOV_AVX2_INLINE __m256i Philox8(__m256i c0, uint32_t position, uint32_t key0, uint32_t key1) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  __m256i c1 = _mm256_set1_epi32(static_cast<int>(position));
+  __m256i c2 = _mm256_set1_epi32(static_cast<int>(kDraftStream));
+  __m256i c3 = _mm256_setzero_si256();
+  uint32_t k0 = key0, k1 = key1;
+#pragma GCC unroll 10
+  for (int round = 0; round < 10; ++round) {
+    __m256i lo0, lo1;
+    const __m256i hi0 = MulHi32(c0, m0, &lo0);
+    const __m256i hi1 = MulHi32(c2, m1, &lo1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c1 = lo1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Natural log of 8 positive normal floats (Cephes logf: a degree-8 polynomial on [sqrt(1/2) - 1,
+// sqrt(2) - 1], about 1 ulp). Inputs here are never 0, negative, subnormal, inf or NaN.
+MARKOV_AVX2_INLINE __m256 Log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)),
+                                                 _mm256_set1_epi32(0x3F000000)));  // [0.5, 1)
+  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  e = _mm256_sub_ps(e, _mm256_and_ps(one, small));
+  m = _mm256_sub_ps(_mm256_add_ps(m, _mm256_and_ps(m, small)), one);  // m in [sqrt(1/2) - 1, sqrt(2) - 1)
+  const __m256 z = _mm256_mul_ps(m, m);
+  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.1514610310e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.1676998740e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.2420140846e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(1.4249322787e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-1.6668057665e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(2.0000714765e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(-2.4999993993e-1f));
+  y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(3.3333331174e-1f));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+}
+
+// g(v) = -log(-log(u)) for v .. v + 7 (SPEC.md), from Philox8 and Log8.
+MARKOV_AVX2_INLINE __m256 GumbelNoise8(uint32_t v, uint32_t position, uint32_t key0, uint32_t key1) {
+  const __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(v)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i x = Philox8(c0, position, key0, key1);
+  const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0.5f)),
+                                 _mm256_set1_ps(1.1920928955078125e-07f));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return _mm256_xor_ps(Log8(_mm256_xor_ps(Log8(u), sign)), sign);
+}
+
+// Sampled rows: the lowest argmax of fma(l, 1/T, g(v)) over l[0..n) (rows v0 + i), 8 columns at a
+// time; the noise of 8 columns is skipped when none of them can beat the best score so far.
+MARKOV_AVX2_FN uint64_t SampledArgmax8(const float* __restrict l, int64_t n, int64_t v0, float inv_t, uint32_t key0,
+                                       uint32_t key1, uint32_t position) {
+  const __m256 it = _mm256_set1_ps(inv_t), bound = _mm256_set1_ps(kGumbelBound);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  uint64_t best = 0;
+  float best_score = kNegInf;
+  alignas(32) float scores[8];
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t valid = std::min<int64_t>(8, n - i);
+    const __m256 in_range = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane));
+    // lanes past n (inside the buffer, garbage) read -inf and are never candidates
+    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_load_ps(l + i), in_range);
+    const __m256 best_v = _mm256_set1_ps(best_score);
+    if (best != 0 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_fmadd_ps(x, it, bound), best_v, _CMP_LT_OQ)) == 0xFF) {
+      continue;  // every lane's best possible score is below the best so far
+    }
+    const __m256 g = GumbelNoise8(static_cast<uint32_t>(v0 + i), position, key0, key1);
+    const __m256 score = _mm256_fmadd_ps(x, it, g);
+    const __m256 better = _mm256_or_ps(_mm256_cmp_ps(score, best_v, _CMP_GT_OQ), _mm256_cmp_ps(score, score, _CMP_UNORD_Q));
+    if (best != 0 && _mm256_movemask_ps(_mm256_and_ps(better, in_range)) == 0) continue;
+    _mm256_store_ps(scores, score);
+    for (int64_t t = 0; t < valid; ++t) {
+      const uint64_t key = PackArgmaxKey(scores[t], static_cast<uint32_t>(v0 + i + t));
+      if (key > best) {
+        best = key;
+        best_score = scores[t];
+      }
+    }
+  }
+  return best;
+}
+
 // The lowest index of the largest value (NaN largest, the first NaN wins), as a packed key.
 MARKOV_AVX2_FN uint64_t GreedyArgmax(const float* __restrict l, int64_t n, int64_t v0) {
   __m256 vmax0 = _mm256_set1_ps(kNegInf), vmax1 = vmax0;
@@ -618,8 +719,8 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
     uint64_t best = 0;
     if (n > 0) {
       if (s.sampled[b]) {
-        best = SampledArgmax<true>(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
-                                   static_cast<uint32_t>(p.position[b]) + static_cast<uint32_t>(s.k));
+        best = SampledArgmax8(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
+                              static_cast<uint32_t>(p.position[b]) + static_cast<uint32_t>(s.k));
       } else {
         best = GreedyArgmax(lbuf, n, v0);
       }
