@@ -15,7 +15,6 @@ import pytest
 
 import jax_markov as jm
 from jax_markov import native
-from jax_markov.philox import gumbel_noise
 
 
 def _has_gpu() -> bool:
@@ -60,69 +59,38 @@ def poison_device_memory(nbytes: int):
     del junk
 
 
-def reference_scores(base, anchor, head, kw, ref, steps_logits):
-    """float32 scores the reference chose from at each step ([B, K, V])."""
-    scores = np.asarray(steps_logits, np.float32)
-    if "temperature" in kw:
-        temp = np.asarray(kw["temperature"])
-        keys = jax.random.key_data(kw["key"]) if jnp.issubdtype(kw["key"].dtype, jax.dtypes.prng_key) else kw["key"]
-        batch, steps, vocab = scores.shape
-        cols = jnp.arange(vocab)[None, None, :]
-        pos = (kw["position"][:, None] + jnp.arange(steps)[None, :])[:, :, None]
-        noise = np.asarray(gumbel_noise((keys[:, 0, None, None], keys[:, 1, None, None]), cols, pos))
-        inv_t = np.where(temp > 0, np.float32(1) / np.where(temp > 0, temp, 1), 0).astype(np.float32)
-        sampled = (temp > 0)[:, None, None]
-        scores = np.where(sampled, scores * inv_t[:, None, None] + noise, scores)
-    return scores
+@pytest.fixture
+def check_parity(reference_scores, assert_tokens_match):
+    """Runs kernel and reference on the same inputs and compares them; returns the near-tie rows."""
 
+    def check(base, anchor, head, kw, *, logits_dtype=jnp.float32, **walk_kw):
+        batch, steps, vocab = base.shape
+        poison_device_memory(batch * steps * vocab * 4 * 2)
+        outs = {impl: jm.walk(base, anchor, head, impl=impl, return_logits=True, logits_dtype=logits_dtype,
+                              return_embeds=True, **kw, **walk_kw) for impl in ("ffi", "reference")}
+        got, ref = outs["ffi"], outs["reference"]
+        scores = reference_scores(ref.logits, kw.get("temperature"), kw.get("key"), kw.get("position"))
+        # Rounding logits to bf16/f16 before choosing makes exact ties common, so near-ties are too.
+        limit = MAX_NEAR_TIE_ROWS if logits_dtype == jnp.float32 else MAX_NEAR_TIE_ROWS_NARROW
+        near_ties, same_prefix = assert_tokens_match(scores, ref.tokens, got.tokens, NEAR_TIE, rtol=NEAR_TIE,
+                                                     d2t=walk_kw.get("d2t"),
+                                                     max_mismatch_rows=max(1, int(limit * batch)))
+        narrow = logits_dtype != jnp.float32
+        lg_got = np.asarray(got.logits.astype(jnp.float32))[same_prefix]
+        lg_ref = np.asarray(ref.logits.astype(jnp.float32))[same_prefix]
+        np.testing.assert_allclose(lg_got, lg_ref, rtol=2.0 ** -7 if narrow else LOGIT_RTOL,
+                                   atol=LOGIT_ATOL * (100 if narrow else 1))
+        np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
+        return near_ties
 
-def check_parity(base, anchor, head, kw, *, logits_dtype=jnp.float32, **walk_kw):
-    """Runs kernel and reference; returns the number of rows that diverged at a near-tie."""
-    batch, steps, vocab = base.shape
-    poison_device_memory(batch * steps * vocab * 4 * 2)
-    got = jm.walk(base, anchor, head, impl="ffi", return_logits=True, logits_dtype=logits_dtype,
-                  return_embeds=True, **kw, **walk_kw)
-    ref = jm.walk(base, anchor, head, impl="reference", return_logits=True, logits_dtype=logits_dtype,
-                  return_embeds=True, **kw, **walk_kw)
-    tok_got, tok_ref = np.asarray(got.tokens), np.asarray(ref.tokens)
-    lg_got = np.asarray(got.logits.astype(jnp.float32))
-    lg_ref = np.asarray(ref.logits.astype(jnp.float32))
-    scores = reference_scores(base, anchor, head, kw, ref, lg_ref)
-    d2t = walk_kw.get("d2t")
-    draft_id = lambda tok, b, k: tok  # noqa: E731
-    if d2t is not None:
-        inverse = {int(i + o): i for i, o in enumerate(np.asarray(d2t))}
-        draft_id = lambda tok, b, k: inverse[int(tok)]  # noqa: E731
-    near_ties = 0
-    rtol = LOGIT_RTOL if logits_dtype == jnp.float32 else 2.0 ** -7
-    for b in range(batch):
-        diff = np.nonzero(tok_got[b] != tok_ref[b])[0]
-        upto = steps if diff.size == 0 else diff[0]
-        np.testing.assert_allclose(lg_got[b, :upto + (diff.size > 0)], lg_ref[b, :upto + (diff.size > 0)],
-                                   rtol=rtol, atol=LOGIT_ATOL * (1 if logits_dtype == jnp.float32 else 100),
-                                   err_msg=f"logits of request {b}")
-        np.testing.assert_array_equal(np.asarray(got.embeds[b, :upto + (diff.size > 0)]),
-                                      np.asarray(ref.embeds[b, :upto + (diff.size > 0)]), err_msg=f"embeds {b}")
-        if diff.size:
-            k = diff[0]
-            best = scores[b, k, draft_id(tok_ref[b, k], b, k)]
-            mine = scores[b, k, draft_id(tok_got[b, k], b, k)]
-            assert best - mine <= NEAR_TIE * (1 + abs(best)), (
-                f"request {b} step {k}: kernel chose {tok_got[b, k]} (score {mine}), reference {tok_ref[b, k]} "
-                f"(score {best}) -- not a near-tie")
-            near_ties += 1
-    # Rounding logits to bf16/f16 before choosing makes exact ties common, so near-ties are too.
-    limit = MAX_NEAR_TIE_ROWS if logits_dtype == jnp.float32 else MAX_NEAR_TIE_ROWS_NARROW
-    assert near_ties <= max(1, limit * batch), f"{near_ties} near-tie rows of {batch}"
-    assert np.all((tok_got >= 0) & (tok_got < head.w1.shape[0] + (0 if d2t is None else vocab)))
-    return near_ties
+    return check
 
 
 @pytest.mark.parametrize("batch,steps,vocab", [(1, 7, 151936), (16, 7, 151936), (64, 7, 151936), (1, 16, 151936),
                                                (1, 5, 129280), (64, 5, 129280), (1, 16, 248320), (3, 1, 5003),
                                                (16, 16, 20011), (1, 7, 270336)])
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
-def test_parity_benchmark_shapes(batch, steps, vocab, mode):
+def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
     rng = np.random.default_rng(hash((batch, steps, vocab, mode)) % 2**32)
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, mixed=mode == "mixed")
     check_parity(base, anchor, head, kw)
@@ -130,7 +98,7 @@ def test_parity_benchmark_shapes(batch, steps, vocab, mode):
 
 @pytest.mark.parametrize("base_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("w1_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_parity_dtypes(base_dtype, w1_dtype):
+def test_parity_dtypes(check_parity, base_dtype, w1_dtype):
     rng = np.random.default_rng(7)
     base, anchor, head, kw = make_case(rng, 5, 4, 30011, v_target=30500, base_dtype=base_dtype, w1_dtype=w1_dtype,
                                        mixed=True)
@@ -138,25 +106,25 @@ def test_parity_dtypes(base_dtype, w1_dtype):
 
 
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
-def test_parity_narrow_logits(logits_dtype):
+def test_parity_narrow_logits(check_parity, logits_dtype):
     rng = np.random.default_rng(11)
     base, anchor, head, kw = make_case(rng, 8, 6, 40009, sampled=True)
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 
-def test_fp32_w1_large_batch():
+def test_fp32_w1_large_batch(check_parity):
     rng = np.random.default_rng(12)
     base, anchor, head, kw = make_case(rng, 64, 3, 20000, w1_dtype=jnp.float32, mixed=True)
     check_parity(base, anchor, head, kw)
 
 
-def test_batch_128_bf16():
+def test_batch_128_bf16(check_parity):
     rng = np.random.default_rng(13)
     base, anchor, head, kw = make_case(rng, 128, 2, 12000, mixed=True)
     check_parity(base, anchor, head, kw)
 
 
-def test_padding_d2t_logit_scale():
+def test_padding_d2t_logit_scale(check_parity):
     rng = np.random.default_rng(3)
     vocab, v_target = 32000, 128256
     base, anchor, head, kw = make_case(rng, 6, 7, vocab, v_target=v_target, mixed=True)
