@@ -528,7 +528,7 @@ def test_two_calls_and_identical_bits(rng):
 def test_many_small_calls(rng):
     """Back-to-back calls on small vocabularies (pool tasks that start after the caller took every
     chunk must not touch a finished call): same inputs, same tokens, every time."""
-    heads = [make_head(rng, vocab, 16) for vocab in (700, 129)]
+    heads = [make_head(rng, vocab, 256) for vocab in (2100, 3001)]  # large enough to use the pool
     f = jax.jit(lambda b, a, h: jax_markov.walk(b, a, h, impl="ffi").tokens)
     inputs = [(make_base(rng, 3, 4, h.draft_vocab), jnp.asarray(rng.integers(0, h.draft_vocab, 3), jnp.int32), h)
               for h in heads]

@@ -13,6 +13,8 @@
 //      best PackArgmaxKey(score, v) is kept in its own slot;
 //   3. the caller waits for every chunk (a counter and a condition variable; pool tasks never wait
 //      on anything), merges the chunk keys and sets prev = token (+ d2t[token]).
+// Sampled rows draw the Gumbel noise 8 columns at a time (Philox and log in AVX2 registers), only
+// for columns that could still win. Walks with little work per step stay on the calling thread.
 //
 // Determinism: a row's dot is always computed by the same code in the same order (8 fp32 lanes
 // over j, then a fixed pairwise tree), whatever the chunk, thread, tile or batch size, and the key
@@ -154,6 +156,7 @@ struct Scratch {
 thread_local Scratch tls_scratch;
 
 constexpr int kTileRows = 8;
+constexpr int64_t kMinParallelWork = int64_t{1} << 21;  // V * (r + 8) * (B + 2) below this: one thread
 constexpr int kPrefetchTiles = 4;  // how far ahead W2 is prefetched, in tiles
 
 // ---------------------------------------------------------------------------------------------
@@ -200,7 +203,6 @@ size_t ElementBytes(ffi::DataType t) {
 }
 
 // Rounds l to the logits dtype and back, and stores it (scalar; shared by both paths' tails).
-template <bool kFast>
 inline float RoundStoreScalar(float l, ffi::DataType t, void* out, int64_t i) {
   switch (t) {
     case ffi::DataType::BF16: {
@@ -228,20 +230,17 @@ inline float LoadAsF32(const void* p, ffi::DataType t, int64_t i) {
   }
 }
 
-// Sampled rows: the lowest argmax of fma(l, 1/T, g(v)) over l[0..n) (rows v0..v0+n), skipping the
-// noise where it cannot win. kFma: contract like XLA does on an FMA machine.
-template <bool kFma>
+// Sampled rows (portable path): the lowest argmax of l * (1/T) + g(v) over l[0..n) (rows v0 + i),
+// skipping the noise of a column that cannot beat the best score so far.
 inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t, uint32_t k0, uint32_t k1,
                               uint32_t position) {
   uint64_t best = 0;
   float best_score = kNegInf;
   for (int64_t i = 0; i < n; ++i) {
     const float x = l[i];
-    const float bound = kFma ? std::fma(x, inv_t, kGumbelBound) : x * inv_t + kGumbelBound;
-    if (bound < best_score) continue;
+    if (best != 0 && x * inv_t + kGumbelBound < best_score) continue;
     const uint32_t v = static_cast<uint32_t>(v0 + i);
-    const float g = GumbelNoise(k0, k1, v, position);
-    const float score = kFma ? std::fma(x, inv_t, g) : x * inv_t + g;
+    const float score = x * inv_t + GumbelNoise(k0, k1, v, position);
     const uint64_t key = PackArgmaxKey(score, v);
     if (key > best) {
       best = key;
@@ -315,13 +314,13 @@ void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scrat
     }
     if (p.want_logits) {
       void* out = static_cast<char*>(p.logits) + (row * p.vocab + v0) * ElementBytes(p.logits_t);
-      for (int64_t i = 0; i < n; ++i) lbuf[i] = RoundStoreScalar<false>(lbuf[i], p.logits_t, out, i);
-      for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar<false>(kNegInf, p.logits_t, out, i);
+      for (int64_t i = 0; i < n; ++i) lbuf[i] = RoundStoreScalar(lbuf[i], p.logits_t, out, i);
+      for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar(kNegInf, p.logits_t, out, i);
     }
     uint64_t best = 0;
     if (n > 0) {
       if (s.sampled[b]) {
-        best = SampledArgmax<false>(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
+        best = SampledArgmax(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
                                     static_cast<uint32_t>(p.position[b]) + static_cast<uint32_t>(s.k));
       } else {
         for (int64_t i = 0; i < n; ++i) best = std::max(best, PackArgmaxKey(lbuf[i], static_cast<uint32_t>(v0 + i)));
@@ -714,7 +713,7 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
         else LogitsFor<float, false>(p.logits_t, p.want_logits, reinterpret_cast<const float*>(base), d, scale, p.logit_scale, n, out, lbuf);
     }
     if (p.want_logits) {
-      for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar<true>(kNegInf, p.logits_t, out, i);
+      for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar(kNegInf, p.logits_t, out, i);
     }
     uint64_t best = 0;
     if (n > 0) {
@@ -934,7 +933,10 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   int64_t chunk_rows = (V + 8 * threads - 1) / (8 * threads);
   chunk_rows = std::clamp<int64_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows, 64, 512);
   const int64_t num_chunks = (V + chunk_rows - 1) / chunk_rows;
-  const int64_t tasks = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+  // Small steps (about a tenth of a millisecond of work) stay on the calling thread: waking pool
+  // threads would cost more than it saves.
+  const bool small = V * (rank + 8) * (B + 2) < kMinParallelWork;
+  const int64_t tasks = small ? 0 : std::min<int64_t>(pool.num_threads(), num_chunks - 1);
 
   const Isa isa = CurrentIsa();
 #if MARKOV_HAVE_AVX2
