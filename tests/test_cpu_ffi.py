@@ -488,7 +488,8 @@ def test_jit_and_auto_use_the_custom_call(rng):
         f = jax.jit(lambda b, a, h, impl=impl: jax_markov.walk(b, a, h, impl=impl).tokens)
         text = f.lower(base, anchor, head).as_text()
         assert "jax_markov_walk" in text, impl
-        np.testing.assert_array_equal(f(base, anchor, head), walk("reference", base, anchor, head).tokens)
+        check_parity(jax_markov.WalkResult(f(base, anchor, head), None, None),
+                     walk("reference", base, anchor, head, return_logits=True), {}, label=impl)
 
 
 def test_lowering_has_custom_call_and_attributes(rng):
@@ -642,7 +643,8 @@ def test_handler_errors(rng):
     t, key, pos = jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, 2), jnp.uint32), jnp.zeros((batch,), jnp.int32)
     d2t = jnp.zeros((0,), jnp.int32)
     ok = _raw_call(base, anchor, w1, q, scale, t, key, pos, d2t, vocab_size=vocab)
-    np.testing.assert_array_equal(ok[0], walk("reference", base, anchor, jax_markov.QuantizedMarkovHead(w1, q, scale)).tokens)
+    want = walk("reference", base, anchor, jax_markov.QuantizedMarkovHead(w1, q, scale), return_logits=True)
+    check_parity(jax_markov.WalkResult(ok[0], None, None), want, {}, label="raw call")
     bad = [
         (dict(scale=jnp.ones((vocab - 1,), jnp.float32)), "w2_scale"),
         (dict(w2=q[:, :-1]), "w2 must be"),
