@@ -219,17 +219,20 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
         inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
         key_words = (key[:, 0:1], key[:, 1:2])
         w1_rows = w1.shape[0]
+        w1_bits = lax.bitcast_convert_type(w1, jnp.uint16 if w1.dtype.itemsize == 2 else jnp.uint32)
         v_target = w1_rows * (n_vocab if w1_sharded else 1)
 
         def embed(prev):
             idx = jnp.clip(prev, 0, v_target - 1)
+            # Rows are looked up as raw bits: gathering W1 itself lets XLA widen all of W1 to float32
+            # once per call (the convert hoisted out of the K-step loop) instead of the B rows it
+            # needs, tens of MiB of memory traffic per device for a real vocabulary.
             if not w1_sharded:
-                return w1[idx]
+                return lax.bitcast_convert_type(w1_bits[idx], w1.dtype)
             # The owner of row idx contributes its bits, everyone else zeros: an integer psum is exact.
             local = idx - shard * w1_rows
             mine = (local >= 0) & (local < w1_rows)
-            uint = jnp.uint16 if w1.dtype.itemsize == 2 else jnp.uint32
-            bits = lax.bitcast_convert_type(w1[jnp.clip(local, 0, w1_rows - 1)], uint)
+            bits = w1_bits[jnp.clip(local, 0, w1_rows - 1)]
             bits = lax.psum(jnp.where(mine[:, None], bits, jnp.zeros_like(bits)), vocab_axes)
             return lax.bitcast_convert_type(bits, w1.dtype)
 
