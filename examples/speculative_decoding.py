@@ -1,0 +1,273 @@
+"""Speculative decoding with a DSpark drafter: no Markov head vs a bf16 head vs an int8 head.
+
+A toy target whose next-token logits have a real low-rank bigram structure (plus what its
+decoder layers add from the context), a DFlash-shaped block drafter that shares the target's
+embedding and LM head, and a Markov head fit to the target's bigram table by a truncated SVD.
+For each drafter arm the decode loop (`jax_markov.speculative.speculative_decode`, one jitted
+`lax.while_loop`) drafts a block with the walk, verifies it with one target forward and accepts;
+the report gives the mean acceptance length (tokens per target forward) and tokens per second,
+greedy and sampled, next to the target decoding on its own. Greedy runs are checked to be
+token-for-token the target's own greedy text.
+
+    python examples/speculative_decoding.py            # embedded defaults, writes examples/results/
+    python examples/speculative_decoding.py --quick    # a smaller run, nothing written
+
+It runs on the default JAX device: the CPU, or the GPU where there is one (the report is then
+`speculative_decoding_gpu.md`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import jax_markov.speculative  # noqa: F401  (an install that has it)
+except ImportError:  # a source checkout: use it
+    for name in [m for m in sys.modules if m == "jax_markov" or m.startswith("jax_markov.")]:
+        del sys.modules[name]
+    sys.path.insert(0, os.path.dirname(HERE))
+
+import jax_markov  # noqa: E402
+from jax_markov import flax as jmf  # noqa: E402
+from jax_markov import native  # noqa: E402
+from jax_markov import speculative as sp  # noqa: E402
+
+DEFAULTS = dict(vocab=2048, hidden=256, target_layers=4, heads=8, kv_heads=4, block_size=8, markov_rank=256,
+                bigram_rank=64, sharpness=5.0, context_scale=0.05, batch=4, prompt_len=32, new_tokens=128,
+                temperature=1.0, repeats=3, seed=0)
+QUICK = dict(vocab=512, hidden=128, target_layers=2, heads=4, kv_heads=2, block_size=6, markov_rank=64,
+             bigram_rank=32, new_tokens=48, repeats=1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, value in DEFAULTS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None,
+                       help=f"default {value}")
+    p.add_argument("--impl", default="auto", choices=["auto", "reference", "ffi"], help="the walk's implementation")
+    p.add_argument("--quick", action="store_true", help="a small configuration; writes no report unless --out")
+    p.add_argument("--out", default=None,
+                   help="report path (default examples/results/speculative_decoding_<cpu|gpu>.md)")
+    p.add_argument("--no-write", action="store_true", help="print the report only")
+    args = p.parse_args(argv)
+    config = dict(DEFAULTS, **(QUICK if args.quick else {}))
+    for name in DEFAULTS:
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
+    return args, config
+
+
+def build(cfg):
+    v, mask = cfg["vocab"], cfg["vocab"] - 1  # the drafter's mask token: a token the target never predicts much
+    target_config = jmf.CausalLMConfig(vocab_size=v, hidden_size=cfg["hidden"], intermediate_size=2 * cfg["hidden"],
+                                       num_hidden_layers=cfg["target_layers"], num_attention_heads=cfg["heads"],
+                                       num_key_value_heads=cfg["kv_heads"])
+    target = jmf.bigram_lm(target_config, rank=cfg["bigram_rank"], sharpness=cfg["sharpness"],
+                           context_scale=cfg["context_scale"], silent_tokens=[mask], rngs=nnx.Rngs(cfg["seed"]))
+    layers = cfg["target_layers"]
+    drafter_config = jmf.DSparkConfig(
+        vocab_size=v, hidden_size=cfg["hidden"], intermediate_size=2 * cfg["hidden"], num_hidden_layers=1,
+        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"], mask_token_id=mask,
+        target_layer_ids=(0, layers // 2, layers - 1) if layers > 2 else tuple(range(layers)),
+        num_target_layers=layers, block_size=cfg["block_size"], markov_rank=cfg["markov_rank"],
+        markov_head_type="vanilla", dtype="float32")
+    drafter = jmf.DSparkDrafter(drafter_config, rngs=nnx.Rngs(cfg["seed"] + 1))
+
+    # Fit the Markov head: the bias it should add after token v is the target's next-token logits
+    # after v (its bigram table, rows centred: a constant shift changes nothing) minus what the
+    # drafter's mask rows already predict; a truncated SVD at rank r gives W1 and W2.
+    @nnx.jit
+    def bigram_table(model):
+        return model(jnp.arange(v)[:, None], jnp.zeros(v, jnp.int32), model.init_cache(v, 1)).logits[:, 0]
+
+    @nnx.jit
+    def mask_rows(drafter, model, tokens):
+        b, s = tokens.shape
+        out = model(tokens, jnp.zeros(b, jnp.int32), model.init_cache(b, s), feature_layers=drafter.target_layer_ids)
+        ctx = drafter.extend_context(out.features, jnp.zeros(b, jnp.int32), drafter.init_context(b, s + 1))
+        hidden = drafter.hidden(tokens[:, -1], jnp.full(b, s - 1), ctx, embed=model.embed)
+        return jnp.mean(drafter.base_logits(hidden, unembed=model.unembed)[:, 1:], axis=(0, 1))
+
+    table = bigram_table(target)
+    sample = jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, v - 1)
+    bias = table - mask_rows(drafter, target, sample)[None, :]
+    bias = bias - bias.mean(axis=1, keepdims=True)
+    fit_error = drafter.markov_head.fit(bias)  # float32 fit
+
+    bf16 = jmf.MarkovHead(v, cfg["markov_rank"], param_dtype=jnp.bfloat16)  # as the released heads
+    bf16.load_weights(drafter.markov_head.markov_w1[...], drafter.markov_head.markov_w2[...])
+    int8 = jmf.MarkovHead(v, cfg["markov_rank"], param_dtype=jnp.bfloat16, markov_quantization="int8")
+    int8.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])  # int8 W2 made once, here
+    arms = {}
+    for name, head in (("bf16 head", bf16), ("int8 head", int8)):
+        d = jmf.DSparkDrafter(drafter_config)
+        nnx.update(d, nnx.state(drafter))  # same backbone
+        d.markov_head = head
+        arms[name] = d
+    return target, drafter, arms, fit_error
+
+
+def timed(fn, repeats):
+    result = fn()  # compile
+    jax.block_until_ready(result.tokens)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        jax.block_until_ready(result.tokens)
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def walk_implementation(cfg, impl, device):
+    if impl == "reference":
+        return "pure-JAX reference (impl='reference')"
+    if device.platform == "cpu":
+        return ("the CPU custom call" if native.cpu_available()
+                else "pure-JAX reference (the CPU custom call is not built in this install)")
+    if device.platform == "gpu" or device.platform == "cuda":
+        reason = native.cuda_unsupported_reason(cfg["batch"], cfg["block_size"], cfg["vocab"], cfg["markov_rank"],
+                                                jnp.bfloat16)
+        return "the sm_90 CUDA kernel" if reason is None else f"pure-JAX reference ({reason})"
+    return "pure-JAX reference"
+
+
+def _origin():
+    path = os.path.abspath(os.path.dirname(jax_markov.__file__))
+    return "this source tree" if path.startswith(os.path.dirname(HERE) + os.sep) else f"an install ({path})"
+
+
+def git_commit():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None):
+    args, cfg = parse_args(argv)
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    target, drafter, heads, fit_error = build(cfg)
+    print(f"Markov head fit by truncated SVD at rank {cfg['markov_rank']}: relative error {fit_error:.2e}")
+    rng = np.random.default_rng(cfg["seed"] + 3)
+    b, p, n = cfg["batch"], cfg["prompt_len"], cfg["new_tokens"]
+    prompt = jnp.asarray(rng.integers(0, cfg["vocab"] - 1, (b, p)), jnp.int32)
+    lengths = jnp.full((b,), p, jnp.int32)
+    modes = [("greedy", None, None),
+             (f"sampled, T = {cfg['temperature']:g}", jnp.full((b,), cfg["temperature"], jnp.float32),
+              jax.random.split(jax.random.key(cfg["seed"] + 4), b))]
+    rows = []
+    for mode, temperature, key in modes:
+        kw = dict(max_new_tokens=n, temperature=temperature, key=key)
+        ref, t_ref = timed(lambda: sp.target_decode(target, prompt, lengths, **kw), cfg["repeats"])
+        rows.append((mode, "target alone", "1.000", float(jnp.mean(ref.num_steps)), b * n / t_ref, 1.0, "reference"))
+        print(f"{mode:>16} | target alone   | {b * n / t_ref:9.1f} tok/s")
+        arms = [("DSpark, no head", drafter, False), ("DSpark, bf16 head", heads["bf16 head"], True),
+                ("DSpark, int8 head", heads["int8 head"], True)]
+        for name, d, use_head in arms:
+            res, t = timed(lambda: sp.speculative_decode(target, d, prompt, lengths, use_markov_head=use_head,
+                                                         impl=args.impl, **kw), cfg["repeats"])
+            tau = res.mean_acceptance_length()
+            if temperature is None:
+                same = bool(np.array_equal(np.asarray(res.tokens), np.asarray(ref.tokens)))
+                check = "identical to the target's greedy text" if same else "DIFFERS from the target's greedy text"
+                if not same:
+                    print("error: greedy speculative decoding differs from the target's greedy decoding",
+                          file=sys.stderr)
+            else:
+                drafted = int(jnp.sum(res.num_steps)) * cfg["block_size"]
+                check = f"{int(jnp.sum(res.num_accepted))} of {drafted} drafts accepted"
+            rows.append((mode, name, f"{tau:.3f}", float(jnp.mean(res.num_steps)), b * n / t, t_ref / t, check))
+            print(f"{mode:>16} | {name:<17} | acceptance length {tau:.3f} | {b * n / t:9.1f} tok/s "
+                  f"| x{t_ref / t:.2f} | {check}")
+    report = render(args, cfg, device, fit_error, rows)
+    print()
+    print(report)
+    write = not args.no_write and (args.out is not None or not args.quick)
+    if write:
+        kind = "cpu" if device.platform == "cpu" else "gpu"
+        out = args.out or os.path.join(HERE, "results", f"speculative_decoding_{kind}.md")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(report)
+        print(f"report written to {os.path.relpath(out)}")
+    if any("DIFFERS" in r[-1] for r in rows):
+        return 1
+    return 0
+
+
+def render(args, cfg, device, fit_error, rows):
+    command = "python examples/speculative_decoding.py" + ("" if not sys.argv[1:] else " " + " ".join(sys.argv[1:]))
+    import flax
+    import jaxlib
+
+    lines = [
+        "# Speculative decoding with the DSpark Markov walk",
+        "",
+        f"- command: `{command}`",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- jax_markov commit: {git_commit()}",
+        f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"flax {flax.__version__}, numpy {np.__version__}, Python {platform.python_version()}",
+        f"- device: {device.device_kind} ({device.platform}, {os.cpu_count()} host cores), "
+        f"{jax.device_count()} device(s)",
+        f"- jax_markov {jax_markov.__version__} from {_origin()}; the walk ran as: "
+        f"{walk_implementation(cfg, args.impl, device)}",
+        "",
+        "## Setup",
+        "",
+        f"- target: Qwen3-style, {cfg['target_layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads "
+        f"({cfg['kv_heads']} KV), vocabulary {cfg['vocab']}; its next-token logits are a rank-{cfg['bigram_rank']} "
+        f"bigram (scale {cfg['sharpness']:g}) plus a context term from its layers (context scale "
+        f"{cfg['context_scale']:g}) (`jax_markov.flax.bigram_lm`).",
+        f"- drafter: `DSparkDrafter`, 1 layer, block size K = {cfg['block_size']} "
+        f"([anchor, mask x {cfg['block_size'] - 1}]), "
+        f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone.",
+        f"- Markov head: rank r = {cfg['markov_rank']}, fit to the target's bigram table minus the drafter's mask-row "
+        f"logits by a truncated SVD (relative error {fit_error:.2e}); the bf16 head rounds it to bfloat16, the "
+        f"int8 head quantizes that W2 per row (SPEC.md).",
+        f"- batch {cfg['batch']} requests, prompts of {cfg['prompt_len']} random tokens, {cfg['new_tokens']} new "
+        f"tokens each; tokens/s = batch x new tokens / wall time of one jitted decode (prefill included, "
+        f"compilation excluded), median of {cfg['repeats']} runs.",
+        "- mean acceptance length = tokens emitted per target forward (accepted drafts + 1), over all verify steps.",
+        "",
+        "## Results",
+        "",
+        "| decoding | drafter | mean acceptance length | target forwards per request | tokens/s "
+        "| speedup vs target | check |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for mode, name, tau, forwards, tps, speedup, check in rows:
+        lines.append(f"| {mode} | {name} | {tau} | {forwards:.1f} | {tps:.1f} | {speedup:.2f}x | {check} |")
+    lines += [
+        "",
+        "Target forwards per request: after the prefill, one per verify step (one per token for the target alone).",
+        "Acceptance length and forwards are properties of the drafter and the target, not of the machine. "
+        "Tokens/s is what this machine made of them: on a small CPU a verify forward over K + 1 tokens costs "
+        "several single-token forwards (the toy model is compute-bound, not memory-bound as real decoding on an "
+        "accelerator is), the drafter's block and the walk (V x r per step, with r as large as the toy's hidden "
+        "size) weigh far more than next to a real target, and other processes sharing the cores add noise.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

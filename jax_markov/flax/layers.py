@@ -1,0 +1,160 @@
+"""Qwen3-style building blocks in flax.nnx, with parameters in the PyTorch layout.
+
+Every parameter is stored exactly as the released checkpoints store it (a `Linear` keeps
+`weight` as [out, in], an RMSNorm keeps `weight` as [dim]), so a module's flat parameter
+path joined with dots *is* its checkpoint name (`layers.0.self_attn.q_proj.weight`).
+Activations are float32 whatever the parameter dtype: matmuls read the weights in their own
+dtype and accumulate in float32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+
+def _normal(rngs: nnx.Rngs | None, shape, std: float, dtype):
+    if rngs is None or std == 0.0:
+        return jnp.zeros(shape, dtype)
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T (+ bias), weight [out_features, in_features] as in torch.nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, std: float = 0.02,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), std, param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else nnx.data(None)
+
+    def __call__(self, x):
+        w = self.weight[...]
+        y = lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y
+
+
+class Embedding(nnx.Module):
+    """Row lookup in weight [num_embeddings, dim] (torch.nn.Embedding); ids are clamped into range."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, std: float = 0.02, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(_normal(rngs, (num_embeddings, dim), std, param_dtype))
+
+    def __call__(self, ids):
+        w = self.weight[...]
+        return w[jnp.clip(ids, 0, w.shape[0] - 1)].astype(jnp.float32)
+
+    def attend(self, x):
+        """x @ weight.T: the tied output head."""
+        w = self.weight[...]
+        return lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """Qwen3RMSNorm: weight * x / sqrt(mean(x^2) + eps), computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+        self.eps = float(eps)
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * self.weight[...].astype(jnp.float32)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, std: float, out_std: float, param_dtype,
+                 rngs: nnx.Rngs | None):
+        self.gate_proj = Linear(hidden, intermediate, std=std, param_dtype=param_dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, std=std, param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, std=out_std, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding (the default HF `rotate_half` form). x [B, T, heads, hd], positions [B, T]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q, k, v, mask):
+    """Grouped-query attention. q [B, T, H, d], k/v [B, S, Hkv, d], mask [B, T, S] (True = visible).
+
+    Every query row must see at least one key."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, t, hkv, h // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(jnp.float32)) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(jnp.float32))
+    return out.reshape(b, t, h * d)
+
+
+def write_rows(buffer, rows, start):
+    """buffer [B, S, ...] with rows [B, T, ...] written at per-request offsets start [B]."""
+    def one(buf, upd, s):
+        return lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (s,) + (0,) * (buf.ndim - 1))
+    return jax.vmap(one)(buffer, rows, start)
+
+
+class AttentionConfig(NamedTuple):
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool
+
+
+class Attention(nnx.Module):
+    """Qwen3 attention: q/k/v/o projections, per-head q_norm/k_norm, RoPE, grouped KV heads."""
+
+    def __init__(self, cfg: AttentionConfig, *, std: float, out_std: float, param_dtype,
+                 rngs: nnx.Rngs | None):
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.rope_theta = float(cfg.rope_theta)
+        h, d = cfg.hidden_size, cfg.head_dim
+        bias = bool(cfg.attention_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=bias, std=std, param_dtype=param_dtype, rngs=rngs)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias, std=std, param_dtype=param_dtype, rngs=rngs)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias, std=std, param_dtype=param_dtype, rngs=rngs)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias, std=out_std, param_dtype=param_dtype, rngs=rngs)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+
+    def queries(self, x, positions):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
+        return rope(q, positions, self.rope_theta)
+
+    def keys_values(self, x, positions):
+        """Post-norm, post-RoPE keys and values of x: what a KV cache stores."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return rope(k, positions, self.rope_theta), v
+
+    def output(self, attended):
+        return self.o_proj(attended)

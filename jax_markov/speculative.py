@@ -1,0 +1,389 @@
+"""Speculative decoding on top of `jax_markov.walk`: a rejection sampler and a jitted decode loop.
+
+Random streams. Every random number here comes from Philox4x32-10 keyed, like the walk's noise,
+with the request's two key words, and is told apart from the draft noise (counter word 2 =
+0x40000000, SPEC.md) by its own counter word 2:
+
+- `ACCEPT_STREAM` (0x40000001): the uniform u that accepts the draft token at sequence position t,
+  counter (0, t, 0x40000001, 0);
+- `RESAMPLE_STREAM` (0x40000002): the Gumbel noise of the token the target itself chooses at
+  position t (the residual resample after a rejection, the bonus token, the first token after the
+  prompt, and every token of `target_decode`), counter (v, t, 0x40000002, 0).
+
+Each sequence position is decided once: a draw at position t only shapes the committed text if
+the token at t is committed by it, and the draws made for positions after the first rejection are
+thrown away unused, so the streams are independent of everything already committed. Same key,
+same prompt, same drafter: the same text, on every backend.
+
+Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): with p the target's and q the
+draft's distribution at a row (both softmax(logits * (1/T)), q from the draft logits the walk
+returned, in the dtype it was asked for, which is exactly the distribution the walk sampled
+from), the draft token d is accepted with probability min(1, p(d)/q(d)) (test: u * q(d) < p(d));
+at the first rejection the token is drawn from max(p - q, 0) renormalised; when all K drafts are
+accepted a bonus token is drawn from the target's last row. Greedy rows (T = 0) accept a draft
+only if it equals the target's argmax and emit the argmax. The emitted text then has exactly the
+target's distribution (sampled rows) or is exactly the target's greedy text (greedy rows).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from .arguments import _key_words
+from .flax.layers import write_rows
+from .philox import _M0, _M1, _W0, _W1, _mulhilo, uniform_from_bits
+
+ACCEPT_STREAM = np.uint32(0x40000001)
+RESAMPLE_STREAM = np.uint32(0x40000002)
+
+
+# -- random streams -------------------------------------------------------------------------------
+def _philox_word0(c0, c1, c2, key_words_0, key_words_1):
+    """Word 0 of Philox4x32-10 at counter (c0, c1, c2, 0): `jax_markov.philox.philox4x32_10` with its
+    ten rounds in a fori_loop (one round traced instead of ten keeps the decode loop's compile short)."""
+    shape = jnp.broadcast_shapes(jnp.shape(c0), jnp.shape(c1), jnp.shape(c2), jnp.shape(key_words_0))
+    c = tuple(jnp.broadcast_to(jnp.asarray(x).astype(jnp.uint32), shape) for x in (c0, c1, c2, np.uint32(0)))
+    k = tuple(jnp.broadcast_to(jnp.asarray(x).astype(jnp.uint32), shape) for x in (key_words_0, key_words_1))
+
+    def round_(_, state):
+        c0, c1, c2, c3, k0, k1 = state
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        return hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0, k0 + _W0, k1 + _W1
+
+    return lax.fori_loop(0, 10, round_, c + k)[0]
+
+
+def accept_uniform(key_words, position):
+    """u in (0, 1) for accepting the draft token at sequence position `position` ([B, ...]):
+    Philox word 0 at counter (0, position, ACCEPT_STREAM, 0), key = the request's key words."""
+    words = jnp.asarray(key_words, jnp.uint32)
+    extra = (1,) * (jnp.ndim(position) - 1)
+    x = _philox_word0(np.uint32(0), position, ACCEPT_STREAM, words[:, 0].reshape(-1, *extra),
+                      words[:, 1].reshape(-1, *extra))
+    return uniform_from_bits(x)
+
+
+def resample_noise(key_words, position, vocab: int):
+    """Gumbel noise [B, V] for the token the target chooses at sequence position `position` [B]:
+    -log(-log(u)), u from Philox word 0 at counter (v, position, RESAMPLE_STREAM, 0)."""
+    words = jnp.asarray(key_words, jnp.uint32)
+    x = _philox_word0(jnp.arange(vocab, dtype=jnp.uint32)[None, :], jnp.asarray(position)[:, None], RESAMPLE_STREAM,
+                      words[:, 0:1], words[:, 1:2])
+    return -jnp.log(-jnp.log(uniform_from_bits(x)))
+
+
+def _mask_padding(logits, vocab_size):
+    v = logits.shape[-1]
+    if vocab_size is None or vocab_size >= v:
+        return logits
+    return jnp.where(jnp.arange(v) < vocab_size, logits, -jnp.inf)
+
+
+def _inverse_temperature(temperature, batch):
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
+    sampled = t > 0
+    # 1/T in fp32, computed once as the walk does; 1 (unused) on greedy rows keeps the math finite
+    return sampled, jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, t, 1.0), jnp.float32(1.0))
+
+
+def choose_token(logits, *, temperature=None, key_words=None, position=None, vocab_size=None):
+    """The target's own choice from logits [B, V]: argmax on greedy rows, Gumbel-max with the
+    resample stream at `position` [B] on sampled rows (an exact sample of softmax(logits / T))."""
+    logits = _mask_padding(logits.astype(jnp.float32), vocab_size)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if temperature is None:
+        return greedy
+    sampled, inv_t = _inverse_temperature(temperature, logits.shape[0])
+    score = logits * inv_t[:, None] + resample_noise(key_words, position, logits.shape[-1])
+    return jnp.where(sampled, jnp.argmax(score, axis=-1).astype(jnp.int32), greedy)
+
+
+# -- the rejection sampler -----------------------------------------------------------------------
+class Verdict(NamedTuple):
+    num_accepted: jax.Array  # [B] int32 in [0, K]: drafts accepted
+    next_token: jax.Array  # [B] int32: the correction (after a rejection) or the bonus token
+    tokens: jax.Array  # [B, K+1] int32: the accepted drafts, next_token, then fill_value
+
+
+def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperature=None, key=None,
+                     position=None, vocab_size=None, fill_value=-1) -> Verdict:
+    """Verify a block of drafts against one target forward.
+
+    draft_tokens [B, K]: the drafts (target ids); target_logits [B, K+1, V]: the target's logits on
+    [anchor, drafts], row j predicting draft j (row K: the bonus token); draft_logits [B, K, V]:
+    the logits each draft was drawn from (the walk's `logits`, before temperature), required with
+    temperature. temperature [B] (or scalar; 0 = greedy row) and key ([B] PRNG keys or [B, 2]
+    uint32) as in `jax_markov.walk`; position [B]: the sequence position of draft token 0 (the
+    walk's `position`), which indexes the acceptance and resampling streams. Columns >= vocab_size
+    are padding. Without temperature every row is greedy.
+    """
+    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
+    if draft_tokens.ndim != 2:
+        raise ValueError(f"draft_tokens must be [B, K], got shape {list(draft_tokens.shape)}")
+    b, k = draft_tokens.shape
+    if target_logits.ndim != 3 or target_logits.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits must be [B, K+1, V] = [{b}, {k + 1}, V], got {list(target_logits.shape)}")
+    vocab = target_logits.shape[2]
+    tl = _mask_padding(target_logits.astype(jnp.float32), vocab_size)
+    target_choice = jnp.argmax(tl, axis=-1).astype(jnp.int32)  # [B, K+1]
+    greedy_accept = draft_tokens == target_choice[:, :k]
+    steps = jnp.arange(k + 1, dtype=jnp.int32)
+
+    if temperature is None:
+        accept = greedy_accept
+        n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        next_token = jnp.take_along_axis(target_choice, n[:, None], axis=1)[:, 0]
+    else:
+        if draft_logits is None:
+            raise ValueError("draft_logits are required with temperature: rejection sampling needs the draft "
+                             "distribution q (walk(..., return_logits=True))")
+        if draft_logits.shape != (b, k, vocab):
+            raise ValueError(f"draft_logits must be [B, K, V] = [{b}, {k}, {vocab}], got {list(draft_logits.shape)}")
+        if key is None or position is None:
+            raise ValueError("key and position are required with temperature")
+        words = _key_words(key, b)
+        position = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
+        sampled, inv_t = _inverse_temperature(temperature, b)
+        dl = _mask_padding(draft_logits.astype(jnp.float32), vocab_size)
+        p = jax.nn.softmax(tl * inv_t[:, None, None], axis=-1)  # [B, K+1, V]
+        q = jax.nn.softmax(dl * inv_t[:, None, None], axis=-1)  # [B, K, V]
+        p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+        q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+        u = accept_uniform(words, position[:, None] + steps[None, :k])
+        accept = jnp.where(sampled[:, None], u * q_d < p_d, greedy_accept)
+        n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        p_row = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+        q_row = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
+        q_row = jnp.where((n < k)[:, None], q_row, 0.0)
+        residual = jnp.maximum(p_row - q_row, 0.0)
+        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_row)
+        score = jnp.log(residual) + resample_noise(words, position + n, vocab)
+        drawn = jnp.argmax(score, axis=-1).astype(jnp.int32)
+        greedy_next = jnp.take_along_axis(target_choice, n[:, None], axis=1)[:, 0]
+        next_token = jnp.where(sampled, drawn, greedy_next)
+
+    padded = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(steps[None] < n[:, None], padded,
+                       jnp.where(steps[None] == n[:, None], next_token[:, None], jnp.asarray(fill_value, jnp.int32)))
+    return Verdict(n, next_token, tokens)
+
+
+# -- decode loops ---------------------------------------------------------------------------------
+class DecodeResult(NamedTuple):
+    tokens: jax.Array  # [B, P + max_new_tokens] int32: prompt, generated tokens, then pad_id
+    lengths: jax.Array  # [B] int32: prompt + generated
+    prompt_lengths: jax.Array  # [B] int32
+    num_steps: jax.Array  # [B] int32: target forwards after the prefill (verify steps)
+    num_accepted: jax.Array  # [B] int32: drafts the verifier accepted (over all steps)
+    acceptance_counts: jax.Array  # [B, K+1] int32: steps that accepted exactly j drafts
+
+    @property
+    def num_generated(self):
+        return self.lengths - self.prompt_lengths
+
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step, as DFlash / DSpark report it: (accepted drafts + 1) per step,
+        over the whole batch (the last step of a request counts in full even if max length cut it)."""
+        steps = int(jnp.sum(self.num_steps))
+        return float(jnp.sum(self.num_accepted) + steps) / max(steps, 1)
+
+    def generated(self, b: int) -> np.ndarray:
+        """Request b's generated tokens (numpy)."""
+        start, end = int(self.prompt_lengths[b]), int(self.lengths[b])
+        return np.asarray(self.tokens[b, start:end])
+
+
+def _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens):
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be [B, P] with P >= 1 (right-padded), got shape {list(prompt.shape)}")
+    b, p = prompt.shape
+    lengths = jnp.broadcast_to(jnp.asarray(prompt_lengths, jnp.int32), (b,))
+    try:
+        lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
+    except jax.errors.ConcretizationTypeError:  # traced: cannot be checked here
+        lo, hi = 1, p
+    if lo < 1 or hi > p:
+        raise ValueError(f"prompt_lengths must lie in [1, P = {p}], got [{lo}, {hi}]")
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a static int >= 1, got {max_new_tokens!r}")
+    if temperature is None:
+        if key is not None:
+            raise ValueError("key is only used with temperature (pass temperature, 0 for greedy rows)")
+        return prompt, lengths, None, None
+    if key is None:
+        raise ValueError("key is required with temperature (one PRNG key per request)")
+    t = jnp.asarray(temperature, jnp.float32)
+    if t.ndim not in (0, 1) or (t.ndim == 1 and t.shape != (b,)):
+        raise ValueError(f"temperature must be a scalar or [B] = [{b}], got shape {list(t.shape)}")
+    return prompt, lengths, jnp.broadcast_to(t, (b,)), _key_words(key, b)
+
+
+def _finish(tokens, length, done, count_new, emitted, limit, eos_id):
+    """Write emitted[:count] at each request's length, return (tokens, length, done).
+    eos_id: a traced int32 scalar, -1 for none."""
+    steps = jnp.arange(emitted.shape[1], dtype=jnp.int32)
+    is_eos = (emitted == eos_id) & (eos_id >= 0) & (steps[None] < count_new[:, None])
+    first = jnp.argmax(is_eos, axis=1).astype(jnp.int32)
+    hit = jnp.any(is_eos, axis=1)
+    count_new = jnp.where(hit, first + 1, count_new)
+    count_new = jnp.minimum(count_new, limit - length)
+    count_new = jnp.where(done, 0, count_new)
+    old = jax.vmap(lambda row, s: lax.dynamic_slice(row, (s,), (emitted.shape[1],)))(tokens, length)
+    new = jnp.where(steps[None] < count_new[:, None], emitted, old)
+    tokens = write_rows(tokens, new, length)
+    length = length + count_new
+    done = done | (length >= limit) | (hit & ~done)
+    return tokens, length, done
+
+
+def _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, feature_layers, max_new_tokens):
+    b, p = prompt.shape
+    valid = jnp.arange(p)[None, :] < lengths[:, None]
+    tokens = jnp.full((b, total), pad_id, jnp.int32).at[:, :p].set(jnp.where(valid, prompt, pad_id))
+    cache = target.init_cache(b, total)
+    out = target(tokens[:, :p], jnp.zeros((b,), jnp.int32), cache, feature_layers=feature_layers)
+    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = choose_token(last, temperature=temperature, key_words=words, position=lengths, vocab_size=vocab_size)
+    return tokens, out, first
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "use_markov_head",
+                                             "logits_dtype", "vocab_size", "impl"))
+def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words, eos_id,
+                 pad_id, *, max_new_tokens, use_markov_head, logits_dtype, vocab_size, impl):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    b, p = prompt.shape
+    k = drafter.block_size
+    total = p + max_new_tokens + k + 1
+    limit = lengths + max_new_tokens
+    sampling = temperature is not None
+    layers = tuple(drafter.target_layer_ids)
+    tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, layers,
+                                  max_new_tokens)
+    context = drafter.extend_context(out.features, jnp.zeros((b,), jnp.int32), drafter.init_context(b, total))
+    done = jnp.zeros((b,), bool)
+    tokens, length, done = _finish(tokens, lengths, done, jnp.ones((b,), jnp.int32), first[:, None], limit, eos_id)
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = (jnp.int32(0), tokens, length, done, out.cache, context, zeros, zeros, jnp.zeros((b, k + 1), jnp.int32))
+
+    def cond(s):
+        return jnp.any(~s[3]) & (s[0] < max_new_tokens)
+
+    def body(s):
+        it, tokens, length, done, cache, context, steps, accepted, counts = s
+        anchor_pos = length - 1
+        anchor = jnp.take_along_axis(tokens, anchor_pos[:, None], axis=1)[:, 0]
+        draft = drafter.draft(anchor, anchor_pos, context, embed=target.embed, unembed=target.unembed,
+                              temperature=temperature, key=words, use_markov_head=use_markov_head,
+                              return_logits=sampling, logits_dtype=logits_dtype, vocab_size=vocab_size, impl=impl)
+        block = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
+        verify = target(block, anchor_pos, cache, feature_layers=layers)
+        verdict = rejection_sample(draft.tokens, verify.logits, draft.logits, temperature=temperature, key=words,
+                                   position=anchor_pos + 1, vocab_size=vocab_size, fill_value=pad_id)
+        n = verdict.num_accepted
+        active = ~done
+        tokens, length, done = _finish(tokens, length, done, n + 1, verdict.tokens, limit, eos_id)
+        context = drafter.extend_context(verify.features, anchor_pos, context)
+        steps = steps + active.astype(jnp.int32)
+        accepted = accepted + jnp.where(active, n, 0)
+        counts = counts + (jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32))
+        return it + 1, tokens, length, done, verify.cache, context, steps, accepted, counts
+
+    _, tokens, length, _, _, _, steps, accepted, counts = lax.while_loop(cond, body, state)
+    return DecodeResult(tokens[:, :p + max_new_tokens], length, lengths, steps, accepted, counts)
+
+
+def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_tokens: int, temperature=None, key=None,
+                       eos_id: int | None = None, pad_id: int = 0, use_markov_head: bool = True,
+                       logits_dtype=jnp.float32, vocab_size: int | None = None, impl: str = "auto") -> DecodeResult:
+    """Speculative decoding of a batch of requests, in one jitted `lax.while_loop`.
+
+    target: a model following the target protocol (`jax_markov.flax.CausalLM` documents it);
+    drafter: a `jax_markov.flax.DSparkDrafter` (its block size K is the number of drafts per step).
+    prompt [B, P] int (right-padded) with prompt_lengths [B] in [1, P]. Each request stops after
+    max_new_tokens generated tokens or after emitting eos_id; requests advance by different amounts
+    at every step. temperature [B] (or scalar; 0 = greedy) with key ([B] PRNG keys or [B, 2] uint32
+    words), or None for all-greedy. use_markov_head=False drafts from the block drafter's logits
+    alone. logits_dtype: the dtype of the draft logits the walk returns, i.e. of the q the verifier
+    uses (SPEC.md). impl: the walk's implementation ("auto", "reference", "ffi").
+
+    Each step: draft K tokens after the anchor (the last committed token, at position p) with the
+    walk at position p + 1, run the target once on [anchor, drafts] (positions p .. p+K), accept
+    with `rejection_sample`, commit the accepted drafts and the correction/bonus token (which becomes
+    the next anchor), and extend the drafter's context with the target's features of the committed
+    positions.
+    """
+    prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)
+    if drafter.config.vocab_size != _vocab_of(target, drafter):
+        raise ValueError(f"the drafter's vocab_size ({drafter.config.vocab_size}) differs from the target's "
+                         f"({_vocab_of(target, drafter)})")
+    target_def, target_state = nnx.split(target)
+    drafter_def, drafter_state = nnx.split(drafter)
+    return _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words,
+                        _eos(eos_id), jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
+                        use_markov_head=bool(use_markov_head),
+                        logits_dtype=jnp.dtype(logits_dtype).name, vocab_size=vocab_size, impl=impl)
+
+
+def _eos(eos_id):
+    if eos_id is None:
+        return jnp.int32(-1)
+    if not isinstance(eos_id, int | np.integer) or eos_id < 0:
+        raise ValueError(f"eos_id must be None or a token id >= 0, got {eos_id!r}")
+    return jnp.int32(eos_id)
+
+
+def _vocab_of(target, drafter):
+    config = getattr(target, "config", None)
+    return getattr(config, "vocab_size", drafter.config.vocab_size)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "vocab_size"))
+def _autoregressive(target_def, target_state, prompt, lengths, temperature, words, eos_id, pad_id, *, max_new_tokens,
+                    vocab_size):
+    target = nnx.merge(target_def, target_state)
+    b, p = prompt.shape
+    total = p + max_new_tokens + 1
+    limit = lengths + max_new_tokens
+    tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, (),
+                                  max_new_tokens)
+    tokens, length, done = _finish(tokens, lengths, jnp.zeros((b,), bool), jnp.ones((b,), jnp.int32),
+                                   first[:, None], limit, eos_id)
+    zeros = jnp.zeros((b,), jnp.int32)
+
+    def cond(s):
+        return jnp.any(~s[3]) & (s[0] < max_new_tokens)
+
+    def body(s):
+        it, tokens, length, done, cache, steps = s
+        pos = length - 1
+        last = jnp.take_along_axis(tokens, pos[:, None], axis=1)
+        step = target(last, pos, cache)
+        nxt = choose_token(step.logits[:, 0], temperature=temperature, key_words=words, position=pos + 1,
+                           vocab_size=vocab_size)
+        active = ~done
+        tokens, length, done = _finish(tokens, length, done, jnp.ones((b,), jnp.int32), nxt[:, None], limit, eos_id)
+        return it + 1, tokens, length, done, step.cache, steps + active.astype(jnp.int32)
+
+    _, tokens, length, _, _, steps = lax.while_loop(cond, body, (jnp.int32(0), tokens, length, done, out.cache, zeros))
+    return DecodeResult(tokens[:, :p + max_new_tokens], length, lengths, steps, zeros, steps[:, None])
+
+
+def target_decode(target, prompt, prompt_lengths, *, max_new_tokens: int, temperature=None, key=None,
+                  eos_id: int | None = None, pad_id: int = 0, vocab_size: int | None = None) -> DecodeResult:
+    """The target's own autoregressive decoding (one token per forward), jitted the same way: the
+    reference that greedy speculative decoding reproduces token for token, and the baseline of the
+    example. Sampled rows draw token t with the resample stream at position t."""
+    prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)
+    target_def, target_state = nnx.split(target)
+    return _autoregressive(target_def, target_state, prompt, lengths, temperature, words, _eos(eos_id),
+                           jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens), vocab_size=vocab_size)

@@ -1,0 +1,315 @@
+"""jax_markov.speculative: the rejection sampler and the jitted decode loop.
+
+- Lossless: greedy speculative decoding reproduces the target's own greedy decoding token for
+  token, whatever the drafter (random, fitted, bf16 head, int8 head, no head).
+- Distribution: sampled speculative decoding emits the target's distribution. Chi-square tests
+  with fixed seeds; a test passes when its p-value is >= P_MIN = 1e-3, and a negative control
+  (the same samples against a different temperature's distribution) must fall below 1e-6, which
+  shows the sample size can see a wrong distribution.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+import jax_markov
+from jax_markov import flax as jmf
+from jax_markov import philox
+from jax_markov import speculative as sp
+
+P_MIN = 1e-3  # chi-square p-value threshold
+P_CONTROL = 1e-6  # the negative control must be rejected at least this strongly
+
+
+def chi_square_p(counts, probs, min_expected=5.0):
+    """Pearson chi-square p-value of observed counts against probabilities; cells expected below
+    min_expected are pooled into one."""
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    probs = probs / probs.sum()
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp).pvalue
+
+
+# -- the rejection sampler alone -----------------------------------------------------------------
+def test_greedy_verdicts():
+    v = 6
+    drafts = jnp.array([[1, 2, 3], [1, 2, 3], [4, 4, 4], [0, 5, 1]])
+    choice = jnp.array([[1, 2, 3, 5], [1, 0, 3, 5], [2, 4, 4, 0], [0, 5, 2, 3]])  # target argmax per row
+    logits = jax.nn.one_hot(choice, v) * 3.0 + 0.1 * jnp.arange(v)[::-1] / v
+    verdict = jax.jit(functools.partial(sp.rejection_sample, fill_value=-7))(drafts, logits)
+    np.testing.assert_array_equal(verdict.num_accepted, [3, 1, 0, 2])
+    np.testing.assert_array_equal(verdict.next_token, [5, 0, 2, 2])
+    np.testing.assert_array_equal(verdict.tokens, [[1, 2, 3, 5], [1, 0, -7, -7], [2, -7, -7, -7], [0, 5, 2, -7]])
+    # greedy rows of a sampled call decide exactly the same, whatever the draft logits say
+    sampled = jax.jit(sp.rejection_sample)(drafts, logits, jnp.zeros((4, 3, v)), temperature=jnp.zeros(4),
+                                           key=jax.random.split(jax.random.key(0), 4), position=jnp.arange(4))
+    np.testing.assert_array_equal(sampled.tokens[:, :3], jnp.where(verdict.tokens == -7, -1, verdict.tokens)[:, :3])
+    # padding columns are never the target's choice
+    padded = jax.jit(functools.partial(sp.rejection_sample, vocab_size=5))(drafts[:1], logits[:1].at[0, 0, 5].set(99.0))
+    np.testing.assert_array_equal(padded.num_accepted, [3])
+    with pytest.raises(ValueError, match="draft_logits are required"):
+        sp.rejection_sample(drafts, logits, temperature=jnp.ones(4), key=jnp.zeros((4, 2), jnp.uint32), position=0)
+    with pytest.raises(ValueError, match=r"target_logits must be \[B, K\+1, V\]"):
+        sp.rejection_sample(drafts, logits[:, :3])
+
+
+@jax.jit
+def _streams(words, pos, many):
+    u = sp.accept_uniform(words, pos)
+    u_want = philox.uniform_from_bits(philox.philox4x32_10(
+        (np.uint32(0), pos.astype(jnp.uint32), np.uint32(0x40000001), np.uint32(0)), (words[:, 0], words[:, 1]))[0])
+    g = sp.resample_noise(words, pos, 11)
+    bits = philox.philox4x32_10((jnp.arange(11, dtype=jnp.uint32)[None], pos[:, None].astype(jnp.uint32),
+                                 np.uint32(0x40000002), np.uint32(0)), (words[:, 0:1], words[:, 1:2]))[0]
+    g_want = -jnp.log(-jnp.log(philox.uniform_from_bits(bits)))
+    draft_g = philox.gumbel_noise((words[:, 0:1], words[:, 1:2]), jnp.arange(11)[None], pos[:, None])
+    u_many = sp.accept_uniform(many, jnp.full(many.shape[0], 9))
+    d_many = philox.uniform_from_bits(philox.philox4x32_10(
+        (np.uint32(0), np.uint32(9), philox.DRAFT_STREAM, np.uint32(0)), (many[:, 0], many[:, 1]))[0])
+    return u, u_want, g, g_want, draft_g, u_many, d_many
+
+
+def test_random_streams_are_separate_from_the_draft_noise():
+    words = jax.random.key_data(jax.random.split(jax.random.key(0), 3))
+    many = jax.random.key_data(jax.random.split(jax.random.key(1), 4096))
+    u, u_want, g, g_want, draft_g, u_many, d_many = _streams(words, jnp.array([0, 17, 1 << 20]), many)
+    np.testing.assert_array_equal(u, u_want)  # acceptance: Philox counter word 2 = 0x40000001
+    np.testing.assert_array_equal(g, g_want)  # resampling: counter word 2 = 0x40000002
+    assert int(sp.ACCEPT_STREAM) != int(philox.DRAFT_STREAM) != int(sp.RESAMPLE_STREAM)
+    assert not np.any(np.isclose(g, draft_g))  # not the walk's noise at the same key and position
+    # across many keys the acceptance uniforms are uncorrelated with the draft's uniforms
+    assert abs(np.corrcoef(u_many, d_many)[0, 1]) < 0.06
+
+
+def test_one_step_of_rejection_sampling_emits_the_target_distribution():
+    """Drafts drawn by the walk from q (a zero head: q = softmax(base)), verified against p: the
+    first emitted token (accepted draft or residual resample) must follow p, and so must the
+    second one given that the first draft was accepted (p's row 1 is the same for every prefix)."""
+    v, k, n = 6, 2, 40000
+    p_logits = jnp.log(jnp.array([0.30, 0.05, 0.25, 0.02, 0.18, 0.20]))
+    q_logits = jnp.log(jnp.array([0.05, 0.40, 0.10, 0.15, 0.20, 0.10]))
+    head = jax_markov.MarkovHead(jnp.zeros((v, 4)), jnp.zeros((v, 4)))
+    keys = jax.random.split(jax.random.key(42), n)
+
+    @jax.jit
+    def run(keys, p_logits, q_logits, head):  # arguments, not constants: nothing to constant-fold
+        base = jnp.broadcast_to(q_logits, (n, k, v))
+        walk = jax_markov.walk(base, jnp.zeros(n, jnp.int32), head, temperature=jnp.ones(n), key=keys,
+                               position=jnp.full(n, 3), return_logits=True)
+        target = jnp.broadcast_to(p_logits, (n, k + 1, v))
+        return walk.tokens, sp.rejection_sample(walk.tokens, target, walk.logits, temperature=jnp.ones(n),
+                                                key=keys, position=jnp.full(n, 3))
+
+    drafts, verdict = run(keys, p_logits, q_logits, head)
+    p = np.asarray(jax.nn.softmax(p_logits))
+    first = np.asarray(verdict.tokens[:, 0])
+    assert chi_square_p(np.bincount(first, minlength=v), p) >= P_MIN
+    second = np.asarray(verdict.tokens[:, 1])[np.asarray(verdict.num_accepted) >= 1]
+    assert chi_square_p(np.bincount(second, minlength=v), p) >= P_MIN
+    # the drafts themselves follow q, not p (the control: the test can tell them apart)
+    assert chi_square_p(np.bincount(np.asarray(drafts[:, 0]), minlength=v), np.asarray(jax.nn.softmax(q_logits))) \
+        >= P_MIN
+    assert chi_square_p(np.bincount(np.asarray(drafts[:, 0]), minlength=v), p) < P_CONTROL
+    acc = float(jnp.mean(verdict.num_accepted >= 1))
+    assert abs(acc - np.minimum(p, np.asarray(jax.nn.softmax(q_logits))).sum()) < 0.01  # sum min(p, q)
+
+
+# -- the decode loop: a bigram-structured target and DSpark drafters -----------------------------------
+V, H, K, R = 64, 32, 4, 16
+MASK = V - 1
+TARGET = jmf.CausalLMConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2)
+DRAFTER = jmf.DSparkConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, mask_token_id=MASK, target_layer_ids=(0, 1),
+                           num_target_layers=2, block_size=K, markov_rank=R)
+
+
+def single_token_logits(target):
+    """The target's next-token logits after each single token: its bigram table [V, V]."""
+    @nnx.jit
+    def forward(model):
+        n = model.config.vocab_size
+        return model(jnp.arange(n)[:, None], jnp.zeros(n, jnp.int32), model.init_cache(n, 1)).logits[:, 0]
+    return forward(target)
+
+
+def fitted_bias(target):
+    table = single_token_logits(target)
+    return table - table.mean(axis=1, keepdims=True)
+
+
+def make_drafters(target):
+    fit = jmf.DSparkDrafter(DRAFTER, rngs=nnx.Rngs(1))
+    fit.markov_head.fit(fitted_bias(target))
+    rnd = jmf.DSparkDrafter(DRAFTER, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(0)
+    rnd.markov_head.load_weights(rng.normal(0, 0.5, (V, R)), rng.normal(0, 0.5, (V, R)))
+    bf16 = jmf.DSparkDrafter(DRAFTER, rngs=nnx.Rngs(1))
+    bf16.markov_head = jmf.MarkovHead(V, R, param_dtype=jnp.bfloat16)
+    bf16.markov_head.fit(fitted_bias(target))
+    int8 = jmf.DSparkDrafter(DRAFTER, rngs=nnx.Rngs(1))
+    int8.markov_head = jmf.MarkovHead(V, R, param_dtype=jnp.bfloat16, markov_quantization="int8")
+    int8.markov_head.fit(fitted_bias(target))  # the int8 layout of the bf16 head, made once by fit
+    return {"random": (rnd, True), "fitted": (fit, True), "fitted-bf16": (bf16, True),
+            "fitted-int8": (int8, True), "no-head": (fit, False)}
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    target = jmf.bigram_lm(TARGET, rank=8, sharpness=4.0, context_scale=0.4, silent_tokens=[MASK], rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    prompt = jnp.asarray(rng.integers(0, V - 1, (4, 8)), jnp.int32)
+    lengths = jnp.array([8, 5, 2, 1])
+    ref = sp.target_decode(target, prompt, lengths, max_new_tokens=24)
+    runs = {name: sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=24, use_markov_head=use)
+            for name, (drafter, use) in make_drafters(target).items()}
+    return target, prompt, lengths, ref, runs
+
+
+@pytest.mark.parametrize("name", ["random", "fitted", "fitted-bf16", "fitted-int8", "no-head"])
+def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(greedy, name):
+    target, prompt, lengths, ref, runs = greedy
+    res = runs[name]
+    np.testing.assert_array_equal(res.tokens, ref.tokens)
+    np.testing.assert_array_equal(res.lengths, lengths + 24)
+    np.testing.assert_array_equal(ref.num_steps, 23)  # the reference: one forward per token after the first
+    # the statistics add up: a histogram per request, accepted drafts, fewer target forwards
+    counts = np.asarray(res.acceptance_counts)
+    np.testing.assert_array_equal(counts.sum(1), res.num_steps)
+    np.testing.assert_array_equal((counts * np.arange(K + 1)).sum(1), res.num_accepted)
+    assert np.all(np.asarray(res.num_accepted) + np.asarray(res.num_steps) >= 23)
+    print(f"\n{name}: mean acceptance length {res.mean_acceptance_length():.3f} "
+          f"(steps per request {np.asarray(res.num_steps).tolist()})")
+    if name.startswith("fitted"):  # the lossless check must have seen many accepted drafts
+        assert res.mean_acceptance_length() > 2.5
+        assert len({tuple(c) for c in counts}) > 1  # requests advanced by different amounts
+
+
+def test_int8_and_bf16_heads_agree_and_report_their_acceptance(greedy, record_property):
+    _, _, _, ref, runs = greedy
+    lengths = {name: runs[name].mean_acceptance_length() for name in runs}
+    for name, value in lengths.items():
+        record_property(f"acceptance_length_{name}", round(value, 4))
+    print("\nmean acceptance length (tokens per target forward, K = %d): %s" % (
+        K, ", ".join(f"{n} {v:.3f}" for n, v in lengths.items())))
+    np.testing.assert_array_equal(runs["fitted-int8"].tokens, runs["fitted-bf16"].tokens)
+    np.testing.assert_array_equal(runs["fitted-int8"].tokens, ref.tokens)
+    assert lengths["fitted-int8"] > lengths["no-head"] + 0.5 and lengths["fitted-bf16"] > lengths["no-head"] + 0.5
+    assert abs(lengths["fitted-int8"] - lengths["fitted-bf16"]) < 0.3
+
+
+def test_eos_and_max_length_stop_each_request_on_its_own(greedy):
+    target, prompt, lengths, ref, _ = greedy
+    drafter = make_drafters(target)["fitted"][0]
+    gen0 = ref.generated(0)
+    eos = int(gen0[9])  # request 0 stops at its 10th token (or earlier, where eos appears first)
+    res = sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=24, eos_id=eos, pad_id=V)
+    for b in range(4):
+        full = ref.generated(b)
+        stop = int(np.argmax(full == eos)) + 1 if np.any(full == eos) else len(full)
+        np.testing.assert_array_equal(res.generated(b), full[:stop])
+        assert int(res.lengths[b]) == int(lengths[b]) + stop
+        assert np.all(np.asarray(res.tokens[b, int(res.lengths[b]):]) == V)  # pad after the end
+    assert int(res.lengths[0]) <= int(lengths[0]) + 10
+
+
+def test_arguments_are_checked(greedy):
+    target, prompt, lengths, _, _ = greedy
+    drafter = jmf.DSparkDrafter(DRAFTER)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        sp.speculative_decode(target, drafter, prompt, jnp.array([9, 1, 1, 1]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="key is required"):
+        sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=4, temperature=1.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sp.target_decode(target, prompt, lengths, max_new_tokens=0)
+    other = jmf.DSparkDrafter(dataclasses.replace(DRAFTER, vocab_size=V + 1, draft_vocab_size=None))
+    with pytest.raises(ValueError, match="vocab_size"):
+        sp.speculative_decode(target, other, prompt, lengths, max_new_tokens=4)
+
+
+# -- sampled decoding has the target's distribution -------------------------------------------------------
+SV = 8  # tiny vocabulary: every sequence of the first tokens can be enumerated
+SMALL_TARGET = jmf.CausalLMConfig(vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1)
+SMALL_DRAFTER = jmf.DSparkConfig(vocab_size=SV, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, mask_token_id=SV - 1,
+                                 target_layer_ids=(0, 1), block_size=3, markov_rank=8)
+N_SAMPLES = 16000
+NEW = 4  # the first emitted token comes from the prefill; tokens 2..4 from the first verify steps
+
+
+@functools.cache
+def exact_distribution(prompt: tuple, temperature: float):
+    """P(x1..x4 | prompt) at a temperature, [SV]*4, from full forwards of all SV^4 continuations."""
+    target = small_target()
+    seqs = np.array(list(itertools.product(range(SV), repeat=NEW)), np.int32)
+    full = np.concatenate([np.broadcast_to(np.array(prompt, np.int32), (len(seqs), len(prompt))), seqs], 1)
+
+    @nnx.jit
+    def logits(model, tokens):
+        return model(tokens, jnp.zeros(tokens.shape[0], jnp.int32), model.init_cache(*tokens.shape)).logits
+
+    lp = np.asarray(jax.nn.log_softmax(logits(target, jnp.asarray(full))[:, len(prompt) - 1:-1] / temperature, -1),
+                    np.float64)
+    total = np.take_along_axis(lp, seqs[..., None], -1)[..., 0].sum(1)
+    return np.exp(total).reshape((SV,) * NEW)
+
+
+@functools.cache
+def small_target():
+    return jmf.bigram_lm(SMALL_TARGET, rank=4, sharpness=2.5, context_scale=0.5, silent_tokens=[SV - 1],
+                         rngs=nnx.Rngs(7))
+
+
+@pytest.mark.parametrize("head, logits_dtype", [("float32", "float32"), ("int8", "bfloat16")])
+def test_sampled_speculative_decoding_has_the_targets_distribution(head, logits_dtype):
+    target = small_target()
+    drafter = jmf.DSparkDrafter(SMALL_DRAFTER, rngs=nnx.Rngs(8))
+    if head == "int8":
+        drafter.markov_head = jmf.MarkovHead(SV, 8, param_dtype=jnp.bfloat16, markov_quantization="int8")
+    # an imperfect head (the target's bigram plus noise): drafts are often, not always, accepted
+    noise = np.random.default_rng(9).normal(0, 1.0, (SV, SV))
+    drafter.markov_head.fit(fitted_bias(target) + noise)
+    prompt = (3, 1, 4)
+    n = N_SAMPLES
+    temps = np.where(np.arange(n) % 2 == 0, 1.0, 0.6).astype(np.float32)
+    temps[:16] = 0.0  # a few greedy rows in the same batch
+    res = sp.speculative_decode(target, drafter, jnp.tile(jnp.array(prompt), (n, 1)), jnp.full(n, 3),
+                                max_new_tokens=NEW, temperature=jnp.asarray(temps),
+                                key=jax.random.split(jax.random.key(2024), n), logits_dtype=logits_dtype)
+    out = np.asarray(res.tokens[:, 3:3 + NEW])
+    assert np.all(np.asarray(res.lengths) == 3 + NEW)
+    # the greedy rows are the target's greedy text
+    greedy_ref = sp.target_decode(target, jnp.array([prompt]), jnp.array([3]), max_new_tokens=NEW)
+    np.testing.assert_array_equal(out[:16], np.broadcast_to(greedy_ref.generated(0), (16, NEW)))
+    # both paths of the sampler were taken: accepted drafts and rejections
+    accepted = int(jnp.sum(res.num_accepted[16:]))
+    drafted = int(jnp.sum(res.num_steps[16:])) * SMALL_DRAFTER.block_size
+    print(f"\n{head} head, {logits_dtype} draft logits: {accepted}/{drafted} drafts accepted, "
+          f"mean acceptance length {res.mean_acceptance_length():.3f}")
+    assert 0.2 * drafted < accepted < 0.9 * drafted
+    codes = lambda x: np.ravel_multi_index(tuple(x.T), (SV,) * x.shape[1])
+    for t in (1.0, 0.6):
+        rows = out[(temps == t)]
+        exact = exact_distribution(prompt, t)
+        p_first3 = chi_square_p(np.bincount(codes(rows[:, :3]), minlength=SV ** 3), exact.sum(axis=3))
+        p_last3 = chi_square_p(np.bincount(codes(rows[:, 1:]), minlength=SV ** 3), exact.sum(axis=0))
+        print(f"T={t}: {len(rows)} samples, chi-square p-values: tokens 1-3 {p_first3:.4f}, tokens 2-4 {p_last3:.4f}")
+        assert p_first3 >= P_MIN and p_last3 >= P_MIN
+        # negative control: the same samples against the other temperature's distribution
+        other = exact_distribution(prompt, 0.6 if t == 1.0 else 1.0)
+        assert chi_square_p(np.bincount(codes(rows[:, 1:]), minlength=SV ** 3), other.sum(axis=0)) < P_CONTROL
