@@ -131,21 +131,24 @@ def cpu_arms():
     }
 
 
-def time_arms(arms: dict, sets, runs: int, warmup: int) -> dict:
-    """Per arm: seconds per call of `runs` calls, the arms taking turns, rotating over the sets."""
+def time_arms(arms: dict, sets, runs: int, warmup: int) -> tuple[dict, dict]:
+    """Per arm: wall seconds and process CPU seconds (all threads) of `runs` calls, the arms taking
+    turns, rotating over the sets."""
     for fn in arms.values():
         for _ in range(warmup):
             for s in sets:
                 fn(*s).block_until_ready()
     times = {name: [] for name in arms}
+    cpu = {name: [] for name in arms}
     for i in range(runs):
         s = sets[i % len(sets)]
         order = list(arms.items()) if i % 2 == 0 else list(arms.items())[::-1]
         for name, fn in order:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn(*s).block_until_ready()
             times[name].append(time.perf_counter() - t0)
-    return times
+            cpu[name].append(time.process_time() - c0)
+    return times, cpu
 
 
 def floor_bytes(vocab: int, steps: int) -> int:
@@ -171,7 +174,7 @@ def run_cpu(args, bandwidth: float) -> list[dict]:
         sets = make_sets(args.vocab, args.steps, batch, args.sets, seed=batch)
         # the arms must agree (tokens equal up to near-ties; with these inputs, exactly)
         same = [bool(np.array_equal(arms[REFERENCE_ARM](*s), arms[FFI_ARM](*s))) for s in sets]
-        times = time_arms(arms, sets, args.runs, args.warmup)
+        times, cpu = time_arms(arms, sets, args.runs, args.warmup)
         floor_s = floor_bytes(args.vocab, args.steps) / bandwidth
         ref_median = statistics.median(times[REFERENCE_ARM])
         for name, ts in times.items():
@@ -179,11 +182,12 @@ def run_cpu(args, bandwidth: float) -> list[dict]:
             rows.append(dict(platform="cpu", vocab=args.vocab, rank=RANK, steps=args.steps, batch=batch, mode="greedy",
                              arm=name, us=med * 1e6, us_min=min(ts) * 1e6,
                              us_p90=float(np.percentile(ts, 90)) * 1e6, runs=len(ts),
+                             cpu_ms=statistics.median(cpu[name]) * 1e3,
                              speedup=ref_median / med, floor_us=floor_s * 1e6, floor_fraction=floor_s / med,
                              tokens_equal_reference=all(same)))
             print(f"  V={args.vocab} K={args.steps} B={batch:<3d} {name:28s} median {med * 1e6:10.1f} us  "
                   f"min {min(ts) * 1e6:10.1f} us  speedup {ref_median / med:5.2f}x  "
-                  f"floor {floor_s / med:5.1%}", flush=True)
+                  f"floor {floor_s / med:5.1%}  cpu {statistics.median(cpu[name]) * 1e3:8.1f} ms", flush=True)
         del sets
     return rows
 
@@ -220,13 +224,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "absolute times; the min column is the least disturbed call)",
         "",
         "| config | arm | us per call (median) | speedup vs reference | memory floor us | fraction of floor "
-        "| min us | fraction of floor at min |",
-        "|---|---|---|---|---|---|---|---|",
+        "| min us | fraction of floor at min | CPU ms per call (all threads) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         config = f"V={r['vocab']} r={r['rank']} K={r['steps']} B={r['batch']} {r['mode']}"
         lines.append(f"| {config} | {r['arm']} | {r['us']:.1f} | {r['speedup']:.2f}x | {r['floor_us']:.1f} | "
-                     f"{r['floor_fraction']:.2f} | {r['us_min']:.1f} | {r['floor_us'] / r['us_min']:.2f} |")
+                     f"{r['floor_fraction']:.2f} | {r['us_min']:.1f} | {r['floor_us'] / r['us_min']:.2f} | "
+                     f"{r['cpu_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
