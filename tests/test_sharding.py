@@ -3,8 +3,15 @@
 The tests need 8 devices, which XLA only creates when --xla_force_host_platform_device_count=8 is
 in XLA_FLAGS before the backend starts. In a plain `pytest` run other test files have started it
 with one device already, so `test_sharding_suite_on_8_host_devices` runs this file again in a fresh
-`python -m pytest` with the flag (and JAX_PLATFORMS=cpu), and the 8-device tests skip here. Run
-with the flag set (as the child does), they run in this process and the launcher skips.
+`python -P -m pytest` with the flag (and JAX_PLATFORMS=cpu, and the same jax_markov), and the
+8-device tests are not collected here. With the flag in XLA_FLAGS (as in the child) they run in
+this process and the launcher skips:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharding.py
+
+The data make the comparisons exact: dyadic head weights (every bias is exact in float32, in any
+summation order) and continuous base logits, so the sharded walks must give the single-device
+tokens, logits and embeddings bit for bit; the tie/NaN/padding test builds its expectations by hand.
 """
 from __future__ import annotations
 
