@@ -209,7 +209,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"- command: `{meta['command']}`",
         f"- CPU: {meta['cpu']} ({meta['cpu_count']} logical cores), custom call SIMD path: {meta['isa']}",
-        f"- jax {meta['jax']}, jaxlib {meta['jaxlib']}, Python {meta['python']}",
+        f"- jax {meta['jax']}, jaxlib {meta['jaxlib']}, Python {meta['python']}; jax_markov from `{meta['package']}`",
         f"- commit: {meta['commit']}{' (dirty: ' + ', '.join(meta['changed_files']) + ')' if meta['dirty'] else ''}",
         f"- date: {meta['date']}; load average before / after: {meta['load_before']} / {meta['load_after']}",
         f"- memory bandwidth (numpy copy of {bw['bytes'] / 2**20:.0f} MiB, read + written): "
@@ -261,6 +261,7 @@ def main(argv=None):
     import jax
     import jaxlib
 
+    import jax_markov
     from jax_markov import native
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -273,7 +274,7 @@ def main(argv=None):
 
     meta = dict(command=command, cpu=cpu_model(), cpu_count=os.cpu_count(), isa=native._markov_cpu.isa()
                 if native.cpu_available() else "not built", jax=jax.__version__, jaxlib=jaxlib.__version__,
-                python=platform.python_version(), **git_commit(),
+                python=platform.python_version(), package=os.path.dirname(jax_markov.__file__), **git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 load_before=load_before, load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 bandwidth=bandwidth, runs=args.runs, warmup=args.warmup, sets=args.sets, quick=args.quick)
