@@ -32,11 +32,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 
 from .arguments import _key_words
-from .flax.layers import write_rows
 from .philox import _M0, _M1, _W0, _W1, _mulhilo, uniform_from_bits
 
 ACCEPT_STREAM = np.uint32(0x40000001)
@@ -176,6 +174,20 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
 
 
 # -- decode loops ---------------------------------------------------------------------------------
+# The loops take flax.nnx modules (the `flax` extra); the sampler above needs only jax.
+def _nnx():
+    from flax import nnx
+
+    return nnx
+
+
+def write_rows(buffer, rows, start):
+    """buffer [B, S, ...] with rows [B, T, ...] written at per-request offsets start [B]."""
+    def one(buf, upd, s):
+        return lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (s,) + (0,) * (buf.ndim - 1))
+    return jax.vmap(one)(buffer, rows, start)
+
+
 class DecodeResult(NamedTuple):
     tokens: jax.Array  # [B, P + max_new_tokens] int32: prompt, generated tokens, then pad_id
     lengths: jax.Array  # [B] int32: prompt + generated
@@ -259,6 +271,7 @@ def _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_s
                                              "logits_dtype", "vocab_size", "impl"))
 def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words, eos_id,
                  pad_id, *, max_new_tokens, use_markov_head, logits_dtype, vocab_size, impl):
+    nnx = _nnx()
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     b, p = prompt.shape
@@ -326,8 +339,8 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
     if drafter.config.vocab_size != _vocab_of(target, drafter):
         raise ValueError(f"the drafter's vocab_size ({drafter.config.vocab_size}) differs from the target's "
                          f"({_vocab_of(target, drafter)})")
-    target_def, target_state = nnx.split(target)
-    drafter_def, drafter_state = nnx.split(drafter)
+    target_def, target_state = _nnx().split(target)
+    drafter_def, drafter_state = _nnx().split(drafter)
     return _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words,
                         _eos(eos_id), jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
                         use_markov_head=bool(use_markov_head),
@@ -350,7 +363,7 @@ def _vocab_of(target, drafter):
 @functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "vocab_size"))
 def _autoregressive(target_def, target_state, prompt, lengths, temperature, words, eos_id, pad_id, *, max_new_tokens,
                     vocab_size):
-    target = nnx.merge(target_def, target_state)
+    target = _nnx().merge(target_def, target_state)
     b, p = prompt.shape
     total = p + max_new_tokens + 1
     limit = lengths + max_new_tokens
@@ -384,6 +397,6 @@ def target_decode(target, prompt, prompt_lengths, *, max_new_tokens: int, temper
     reference that greedy speculative decoding reproduces token for token, and the baseline of the
     example. Sampled rows draw token t with the resample stream at position t."""
     prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)
-    target_def, target_state = nnx.split(target)
+    target_def, target_state = _nnx().split(target)
     return _autoregressive(target_def, target_state, prompt, lengths, temperature, words, _eos(eos_id),
                            jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens), vocab_size=vocab_size)
