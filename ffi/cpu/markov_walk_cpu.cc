@@ -933,10 +933,11 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   int64_t chunk_rows = (V + 8 * threads - 1) / (8 * threads);
   chunk_rows = std::clamp<int64_t>((chunk_rows + kTileRows - 1) / kTileRows * kTileRows, 64, 512);
   const int64_t num_chunks = (V + chunk_rows - 1) / chunk_rows;
-  // Small steps (about a tenth of a millisecond of work) stay on the calling thread: waking pool
-  // threads would cost more than it saves.
+  // The calling thread works too, so num_threads - 1 pool tasks keep one worker per pool thread
+  // (the pool has one thread per core). Small steps (about a tenth of a millisecond of work) stay on
+  // the calling thread: waking pool threads would cost more than it saves.
   const bool small = V * (rank + 8) * (B + 2) < kMinParallelWork;
-  const int64_t tasks = small ? 0 : std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+  const int64_t tasks = small ? 0 : std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, num_chunks - 1));
 
   const Isa isa = CurrentIsa();
 #if MARKOV_HAVE_AVX2
