@@ -14,7 +14,7 @@ per second, the best of one thread and all threads). "fraction of floor" = floor
 Writes <out-dir>/cpu.md and cpu.json with the exact command, the CPU model, the jax version and
 the git commit. `--quick` is a seconds-long smoke run on a small vocabulary (tests call it).
 
-GPU rows: `run_gpu(args)` is the place for them (not written here; see benchmarks/gpu_timing.py).
+GPU rows: on a machine with a CUDA GPU, `run_gpu(args)` runs benchmarks/gpu_timing.py after the CPU rows.
 """
 from __future__ import annotations
 
@@ -192,10 +192,25 @@ def run_cpu(args, bandwidth: float) -> list[dict]:
     return rows
 
 
-def run_gpu(args) -> list[dict]:
-    """GPU rows and arms: to be added by the owner of the CUDA kernel (benchmarks/gpu_timing.py has
-    its arms). Should return rows shaped like run_cpu's (platform="gpu")."""
-    return []
+def run_gpu(args) -> None:
+    """On a machine with a CUDA GPU and the jax_markov CUDA module: the GPU table of
+    benchmarks/gpu_timing.py (eager walk, reference on the int8 head, kernel), written to
+    benchmarks/results/<gpu>.md/.json/.png. Elsewhere nothing."""
+    import jax
+
+    from jax_markov import native
+
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        gpus = []
+    if not gpus or not native.cuda_available():
+        print("no CUDA GPU with the jax_markov CUDA module here: GPU rows skipped", flush=True)
+        return
+    import gpu_timing
+
+    name = gpus[0].device_kind.split()[-1].lower()
+    gpu_timing.main(["--out", str(RESULTS / name)] + (["--quick"] if args.quick else []))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +285,6 @@ def main(argv=None):
     print(f"  {bandwidth['one_thread'] / 1e9:.1f} GB/s one thread, {bandwidth['all_threads'] / 1e9:.1f} GB/s "
           f"{bandwidth['threads']} threads", flush=True)
     rows = [] if args.no_cpu else run_cpu(args, bandwidth["best"])
-    rows += run_gpu(args)
 
     meta = dict(command=command, cpu=cpu_model(), cpu_count=os.cpu_count(), isa=native._markov_cpu.isa()
                 if native.cpu_available() else "not built", jax=jax.__version__, jaxlib=jaxlib.__version__,
@@ -285,6 +299,7 @@ def main(argv=None):
     print()
     print(table)
     print(f"wrote {out_dir / 'cpu.md'} and {out_dir / 'cpu.json'}")
+    run_gpu(args)
     return rows
 
 

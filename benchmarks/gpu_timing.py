@@ -181,7 +181,7 @@ def main(argv=None):
     gpu = jax.devices()[0].device_kind
     commit = os.environ.get("JAX_MARKOV_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    command = "python3 " + " ".join(sys.argv)
+    command = "python3 " + " ".join(sys.argv if argv is None else ["benchmarks/benchmark_markov_walk.py"])
     bandwidth, results = run_gpu(rows=rows, repeats=args.repeats,
                                  log=lambda s: print(s, flush=True))
     print(write_report(bandwidth, results, args.out, command=command, gpu=gpu, commit=commit))
