@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,27 +47,16 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(ROOT))
     import jax_markov  # noqa: E402
 from jax_markov import native, sharding  # noqa: E402
+from benchmark_markov_walk import cpu_model, git_commit  # noqa: E402  (same folder)
+
+
+def commit_line() -> str:
+    info = git_commit()
+    return info["commit"] + (" (working tree has uncommitted changes)" if info["dirty"] else "")
+
+
 
 AXES = ("batch", "vocab")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    def git(*a):
-        r = subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT)
-        return r.stdout.strip() if r.returncode == 0 else ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return commit + (" (working tree has uncommitted changes)" if dirty else "")
 
 
 def make_problem(batch, steps, vocab, rank, seed=0):
@@ -175,7 +162,7 @@ def main(argv=None):
         f"- command: `{shlex.join([Path(sys.executable).name, *sys.argv])}`",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores shared by the 8 XLA host devices",
         f"- jax {jax.__version__}, jax_markov from `{Path(jax_markov.__file__).parent}`; CPU custom call {custom_call}",
-        f"- commit: {git_commit()}",
+        f"- commit: {commit_line()}",
         f"- problem: B = {b}, K = {k}, V = V_target = {v}, r = {r}; int8 W2 ({v * r / 2**20:.1f} MiB + scales), "
         f"bf16 W1, bf16 base logits ({b * k * v * 2 / 2**20:.1f} MiB); mixed = half the rows sampled",
         f"- collectives per call: batch none; vocab 1x8 {k} all-gathers of {per_step(8, b)} B "
