@@ -161,9 +161,6 @@ def floor_bytes(vocab: int, steps: int) -> int:
 
 
 def run_cpu(args, bandwidth: float) -> list[dict]:
-    import jax
-
-    import jax_markov as jm
     from jax_markov import native
 
     if not native.cpu_available():

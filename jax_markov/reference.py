@@ -31,7 +31,7 @@ def markov_bias(e, w2, w2_scale, logit_scale: float):
 def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
     """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
     base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
-    batch, steps, vocab = base.shape
+    vocab = base.shape[2]
     v_target = w1.shape[0]
     columns = jnp.arange(vocab, dtype=jnp.int32)
     valid = columns < params.vocab_size
@@ -55,12 +55,17 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
             token = token + d2t[token]
         return token, (token, logits.astype(params.logits_dtype), e)
 
-    xs = (jnp.moveaxis(base, 1, 0), jnp.arange(steps, dtype=jnp.int32))
+    return scan_steps(step, base, anchor, params, w1.dtype)
+
+
+def scan_steps(step, base, anchor, params, w1_dtype):
+    """Runs step(prev, (base_k, k)) -> (token, (token, logits, e)) over the K steps of base
+    [B, K, V] and returns (tokens, logits, embeds) shaped as `arguments.output_shapes` says."""
+    xs = (jnp.moveaxis(base, 1, 0), jnp.arange(base.shape[1], dtype=jnp.int32))
     _, (tokens, logits, embeds) = lax.scan(step, anchor, xs)
-    tokens = tokens.T
     logits = jnp.moveaxis(logits, 0, 1) if params.return_logits else jnp.zeros((0,), params.logits_dtype)
-    embeds = jnp.moveaxis(embeds, 0, 1) if params.return_embeds else jnp.zeros((0,), w1.dtype)
-    return tokens, logits, embeds
+    embeds = jnp.moveaxis(embeds, 0, 1) if params.return_embeds else jnp.zeros((0,), w1_dtype)
+    return tokens.T, logits, embeds
 
 
 # One compiled walk per (shapes, dtypes, params): called eagerly, a bare lax.scan over a fresh

@@ -35,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import arguments, primitive
 from .philox import gumbel_noise
-from .reference import markov_bias
+from .reference import markov_bias, scan_steps
 from .result import WalkResult, to_result
 
 LAYOUTS = ("batch", "vocab", "replicated")
@@ -210,7 +210,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
     a vocabulary shard, with global column indices, and one all-gather per step to agree."""
 
     def body(base, anchor, w1, w2, w2_scale, temperature, key, position, d2t):
-        _, steps, v_local = base.shape
+        v_local = base.shape[2]
         shard = lax.axis_index(vocab_axes)
         offset = shard * v_local
         columns = offset + jnp.arange(v_local, dtype=jnp.int32)  # global column index
@@ -261,11 +261,6 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
                 jnp.take_along_axis(gathered[:, :, 1], winner[None, :], axis=0)[0], jnp.int32)
             return token, (token, logits.astype(params.logits_dtype), e)
 
-        xs = (jnp.moveaxis(base, 1, 0), jnp.arange(steps, dtype=jnp.int32))
-        _, (tokens, logits, embeds) = lax.scan(step, anchor, xs)
-        tokens = tokens.T
-        logits = jnp.moveaxis(logits, 0, 1) if params.return_logits else jnp.zeros((0,), params.logits_dtype)
-        embeds = jnp.moveaxis(embeds, 0, 1) if params.return_embeds else jnp.zeros((0,), w1.dtype)
-        return tokens, logits, embeds
+        return scan_steps(step, base, anchor, params, w1.dtype)
 
     return body
