@@ -20,13 +20,32 @@ markov_walk_p.multiple_results = True
 markov_walk_p.def_impl(lambda *args, params: dispatch.apply_primitive(markov_walk_p, *args, params=params))
 
 
+def manual_axes(x) -> frozenset:
+    """The shard_map mesh axes x varies over (`aval.vma`; `aval.mat.varying` in jax 0.10)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def vary_like(x, *others):
+    """x, made to vary over every shard_map axis that one of `others` varies over."""
+    missing = frozenset().union(*(manual_axes(o) for o in others)) - manual_axes(x)
+    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def bind(ops: arguments.WalkOperands, params: arguments.WalkParams):
+    # Inside shard_map all operands are made to vary over the same mesh axes; the results then
+    # vary over them too (the abstract eval keeps base_logits' type).
+    ops = [vary_like(x, *ops) for x in ops]
     return markov_walk_p.bind(*ops, params=params)
 
 
 def _abstract_eval(*avals, params):
     ops = arguments.WalkOperands(*avals)
-    return [jax.core.ShapedArray(s.shape, s.dtype) for s in arguments.output_shapes(ops, params)]
+    return [avals[0].update(shape=s.shape, dtype=s.dtype, weak_type=False)
+            for s in arguments.output_shapes(ops, params)]
 
 
 markov_walk_p.def_abstract_eval(_abstract_eval)

@@ -139,7 +139,8 @@ def _specs(ops, params, batch_axes, vocab_axes, w1_sharded):
     in_specs = arguments.WalkOperands(
         base_logits=P(b, None, v), anchor=P(b), w1=P(v) if w1_sharded else P(), w2=P(v),
         w2_scale=per_v(ops.w2_scale), temperature=P(b), key=P(b), position=P(b), d2t=per_v(ops.d2t))
-    out_specs = (P(b), P(b, None, v) if params.return_logits else P(), P(b) if params.return_embeds else P())
+    # Unrequested outputs are [0] placeholders that vary like the requests do.
+    out_specs = (P(b), P(b, None, v) if params.return_logits else P(b), P(b))
     return in_specs, out_specs
 
 
@@ -176,33 +177,15 @@ def _local_logits(base_k, e, w2, w2_scale, params):
     if params.impl == "reference":
         return base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale)
     b, v_local = base_k.shape
-    anchor = _vary_like(jnp.arange(b, dtype=jnp.int32), base_k, e)
+    anchor = jnp.arange(b, dtype=jnp.int32)
     ops = arguments.WalkOperands(
         base_logits=base_k[:, None, :], anchor=anchor, w1=e, w2=w2, w2_scale=w2_scale,
         temperature=jnp.zeros((b,), jnp.float32), key=jnp.zeros((b, 2), jnp.uint32),
         position=jnp.zeros((b,), jnp.int32), d2t=jnp.zeros((0,), jnp.int32))
     one_step = dataclasses.replace(params, vocab_size=v_local, sampling=False, return_logits=True,
                                    logits_dtype=jnp.dtype(jnp.float32), return_embeds=False)
-    _, logits, _ = primitive.bind(ops, one_step)
-    # The primitive's abstract eval does not propagate shard_map's varying-axes type; its result
-    # varies wherever its operands do.
-    return _vary_like(logits[:, 0, :], base_k, e, w2)
-
-
-def _vma(x) -> frozenset:
-    """The manual mesh axes x varies over (`aval.vma`, `aval.mat.varying` in jax 0.10)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", None)
-    return frozenset(vma or ())
-
-
-def _vary_like(x, *others):
-    """x, varying over every manual mesh axis some of `others` vary over (shard_map's vma types:
-    a scan carry must keep its type)."""
-    missing = frozenset().union(*(_vma(o) for o in others)) - _vma(x)
-    return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+    _, logits, _ = primitive.bind(ops, one_step)  # varies wherever its operands do
+    return logits[:, 0, :]
 
 
 def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):

@@ -327,6 +327,25 @@ def test_plain_jit_with_batch_sharded_inputs_partitions_without_collectives():
     assert out.tokens.sharding.is_equivalent_to(NamedSharding(mesh, P(("batch", "vocab"))), 2)
 
 
+@needs_8
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_walk_inside_shard_map_with_an_invariant_anchor(impl):
+    """jax_markov.walk called directly inside shard_map with an anchor built on every device (not
+    varying) while the base logits vary over the mesh: the primitive gives its operands one varying
+    type, so the walk traces, and it matches the single-device walk."""
+    mesh = _mesh((8, 1), AxisType.Auto)
+    kw, head = _case("int8_greedy")
+    base = kw["base_logits"]
+
+    def body(base):
+        return jax_markov.walk(base, jnp.full((base.shape[0],), 5, jnp.int32), head, impl=impl).tokens
+
+    tokens = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("batch", "vocab")),
+                                   out_specs=P(("batch", "vocab"))))(base)
+    expected = jax_markov.walk(base, jnp.full((base.shape[0],), 5, jnp.int32), head, impl="reference").tokens
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+
+
 # ----------------------------------------------------------------------------- the choice across shards
 
 
