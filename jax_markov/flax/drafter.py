@@ -26,7 +26,7 @@ from ..arguments import _key_words
 from ..philox import gumbel_noise
 from . import checkpoint
 from .head import MarkovHead
-from .layers import MLP, Attention, AttentionConfig, Linear, RMSNorm, attend, write_rows
+from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -171,15 +171,7 @@ class Draft(NamedTuple):
     hidden: jax.Array  # [B, K, H] the backbone's output
 
 
-class DraftLayer(nnx.Module):
-    def __init__(self, cfg: DSparkConfig, *, param_dtype, rngs):
-        std = cfg.initializer_range
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg.attention, std=std, out_std=std, param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=std, out_std=std, param_dtype=param_dtype,
-                       rngs=rngs)
-
+class DraftLayer(PreNormLayer):
     def __call__(self, x, positions, ctx_k, ctx_v, ctx_visible):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)

@@ -158,3 +158,16 @@ class Attention(nnx.Module):
 
     def output(self, attended):
         return self.o_proj(attended)
+
+
+class PreNormLayer(nnx.Module):
+    """The parameters of a pre-norm decoder layer (attention and MLP, each behind an RMSNorm), named as
+    in the released checkpoints; the drafter's and the target's layers differ only in __call__."""
+
+    def __init__(self, cfg, *, param_dtype, rngs):
+        std = cfg.initializer_range
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg.attention, std=std, out_std=std, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=std, out_std=std, param_dtype=param_dtype,
+                       rngs=rngs)

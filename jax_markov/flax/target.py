@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import MLP, Attention, AttentionConfig, Embedding, Linear, RMSNorm, attend, write_rows
+from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_rows
 
 
 class KVCache(NamedTuple):
@@ -71,15 +71,7 @@ class CausalLMConfig:
                                self.rms_norm_eps, self.rope_theta, self.attention_bias)
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: CausalLMConfig, *, param_dtype, rngs):
-        std = cfg.initializer_range
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg.attention, std=std, out_std=std, param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=std, out_std=std, param_dtype=param_dtype,
-                       rngs=rngs)
-
+class DecoderLayer(PreNormLayer):
     def __call__(self, x, positions, k_cache, v_cache, start):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
