@@ -28,28 +28,37 @@ def markov_bias(e, w2, w2_scale, logit_scale: float):
     return jnp.float32(logit_scale) * dot
 
 
-def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
-    """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
-    base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
-    vocab = base.shape[2]
-    v_target = w1.shape[0]
-    columns = jnp.arange(vocab, dtype=jnp.int32)
+def step_scorer(columns, temperature, key, position, params: arguments.WalkParams):
+    """f(logits, k) -> (l_k, score) of SPEC.md for columns (global vocabulary indices): padding
+    -inf, l_k rounded to logits_dtype when logits are asked for, and the score chosen from (l_k
+    for greedy rows, l_k * (1/T) + g(v) for sampled rows)."""
     valid = columns < params.vocab_size
     sampled = temperature > 0
     inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
     key_words = (key[:, 0:1], key[:, 1:2])
 
-    def step(prev, xs):
-        base_k, k = xs
-        e = w1[jnp.clip(prev, 0, v_target - 1)]
-        logits = base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale)
+    def scores(logits, k):
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         if params.return_logits:
             logits = logits.astype(params.logits_dtype).astype(jnp.float32)
-        score = logits
-        if params.sampling:
-            noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
-            score = jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+        if not params.sampling:
+            return logits, logits
+        noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
+        return logits, jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+
+    return scores
+
+
+def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
+    """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
+    base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
+    v_target = w1.shape[0]
+    scores = step_scorer(jnp.arange(base.shape[2], dtype=jnp.int32), temperature, key, position, params)
+
+    def step(prev, xs):
+        base_k, k = xs
+        e = w1[jnp.clip(prev, 0, v_target - 1)]
+        logits, score = scores(base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale), k)
         token = jnp.argmax(score, axis=-1).astype(jnp.int32)
         if d2t.shape[0]:
             token = token + d2t[token]

@@ -34,8 +34,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import arguments, primitive
-from .philox import gumbel_noise
-from .reference import markov_bias, scan_steps
+from .reference import markov_bias, scan_steps, step_scorer
 from .result import WalkResult, to_result
 
 LAYOUTS = ("batch", "vocab", "replicated")
@@ -197,10 +196,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
         shard = lax.axis_index(vocab_axes)
         offset = shard * v_local
         columns = offset + jnp.arange(v_local, dtype=jnp.int32)  # global column index
-        valid = columns < params.vocab_size
-        sampled = temperature > 0
-        inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
-        key_words = (key[:, 0:1], key[:, 1:2])
+        scores = step_scorer(columns, temperature, key, position, params)
         w1_rows = w1.shape[0]
         w1_bits = lax.bitcast_convert_type(w1, jnp.uint16 if w1.dtype.itemsize == 2 else jnp.uint32)
         v_target = w1_rows * (n_vocab if w1_sharded else 1)
@@ -222,14 +218,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
         def step(prev, xs):
             base_k, k = xs
             e = embed(prev)
-            logits = _local_logits(base_k, e, w2, w2_scale, params)
-            logits = jnp.where(valid[None, :], logits, -jnp.inf)
-            if params.return_logits:
-                logits = logits.astype(params.logits_dtype).astype(jnp.float32)
-            score = logits
-            if params.sampling:
-                noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
-                score = jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+            logits, score = scores(_local_logits(base_k, e, w2, w2_scale, params), k)
             local = jnp.argmax(score, axis=-1).astype(jnp.int32)  # lowest local index, first NaN
             best = jnp.take_along_axis(score, local[:, None], axis=-1)[:, 0]
             token = offset + local
