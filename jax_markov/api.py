@@ -1,6 +1,7 @@
 """`walk`: the public entry point, binding the `markov_walk` primitive."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import arguments, primitive
@@ -29,4 +30,24 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
         base_logits, anchor, head, temperature=temperature, key=key, position=position,
         vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
         logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
+    batch_axes = _explicit_batch_axes(ops.base_logits)
+    if batch_axes:
+        # Requests split over Explicit mesh axes: each device walks its own rows (the sharded walk's
+        # batch layout), rather than one custom call that would need every row on every device.
+        from . import sharding
+        return sharding.walk(base_logits, anchor, head, mesh=jax.typeof(ops.base_logits).sharding.mesh,
+                             layout="batch", batch_axis=batch_axes, temperature=temperature, key=key,
+                             position=position, vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t,
+                             return_logits=return_logits, logits_dtype=logits_dtype,
+                             return_embeds=return_embeds, impl=impl)
     return to_result(primitive.bind(ops, params), params)
+
+
+def _explicit_batch_axes(base_logits) -> tuple:
+    """The Explicit mesh axes that base_logits' request dimension is split over (none outside an
+    Explicit mesh, or inside shard_map where the walk sees per-device rows)."""
+    spec = getattr(getattr(jax.typeof(base_logits), "sharding", None), "spec", None)
+    entry = spec[0] if spec else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)

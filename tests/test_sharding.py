@@ -346,6 +346,21 @@ def test_walk_inside_shard_map_with_an_invariant_anchor(impl):
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
 
 
+@needs_8
+def test_plain_jit_on_an_explicit_mesh_walks_each_devices_rows():
+    """jax_markov.walk itself under jax.jit with base logits split over Explicit mesh axes: it
+    takes the batch layout (no collective) and matches the single-device walk."""
+    mesh = _mesh((2, 4), AxisType.Explicit)
+    kw, head = _place(mesh, "batch", *_case("int8_greedy"))
+    kw, static = _split(kw)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda kw, head: jax_markov.walk(head=head, **kw, **static)).lower(kw, head).compile()
+        out = compiled(kw, head)
+    _assert_same(out, _single_device("int8_greedy"), "plain jit, explicit mesh")
+    hlo = compiled.as_text()
+    assert not any(op in hlo for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")), hlo
+
+
 # ----------------------------------------------------------------------------- the choice across shards
 
 
