@@ -108,11 +108,8 @@ def make_sets(vocab: int, steps: int, batch: int, n_sets: int, seed: int = 0):
     sets = []
     for _ in range(n_sets):
         w1 = jnp.asarray(rng.standard_normal((vocab, RANK), np.float32) * 0.05, jnp.bfloat16)
-        w2 = rng.standard_normal((vocab, RANK), np.float32) * 0.05
-        amax = np.abs(w2).max(axis=1)
-        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-        q = np.clip(np.round(w2 / scale[:, None]), -127, 127).astype(np.int8)
-        head = jm.QuantizedMarkovHead(w1=w1, q=jnp.asarray(q), scale=jnp.asarray(scale))
+        w2 = jnp.asarray(rng.standard_normal((vocab, RANK), np.float32) * 0.05)
+        head = jm.quantize(jm.MarkovHead(w1, w2))
         base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32) * 2.0, jnp.bfloat16)
         anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
         sets.append((base, anchor, head))
@@ -161,10 +158,17 @@ def floor_bytes(vocab: int, steps: int) -> int:
 
 
 def run_cpu(args, bandwidth: float) -> list[dict]:
+    import jax
+
     from jax_markov import native
 
     if not native.cpu_available():
         raise SystemExit("the jax_markov CPU custom call is not built: pip install . first")
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU rows stay on the CPU where a GPU exists
+        return _cpu_rows(args, bandwidth)
+
+
+def _cpu_rows(args, bandwidth: float) -> list[dict]:
     arms = cpu_arms()
     rows = []
     for batch in args.batch:
