@@ -19,9 +19,13 @@ import numpy as np
 
 import jax_markov as jm
 
+import design_floor
+
 N_SETS = 4
 ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (129280, 5, 1), (129280, 5, 64),
-        (248320, 16, 1)]
+        (248320, 16, 1), (151936, 7, 128), (151936, 7, 256)]
+# The published kernel of the same design on one H100 (greedy, V = 151936, K = 7), in us.
+PUBLISHED_H100_US = {(151936, 7, 1): 60.0, (151936, 7, 16): 68.0, (151936, 7, 64): 112.0}
 MODES = ("greedy", "probabilistic")
 ARMS = ("eager (reference, bf16 head)", "reference, int8 head", "kernel (int8)")
 
@@ -96,13 +100,22 @@ def floor_bytes(vocab: int, steps: int, batch: int, mode: str) -> int:
 
 
 def run_gpu(rows=ROWS, modes=MODES, repeats: int = 30, log=print):
-    bandwidth = measure_copy_bandwidth()
+    """Times every arm on every row; returns the copy bandwidth, the design constants measured by the
+    probe kernels (None without them) and one result dict per (row, mode, arm)."""
+    constants = design_floor.measure()
+    bandwidth = constants["hbm_copy_bytes_per_s"] if constants else measure_copy_bandwidth()
     log(f"measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
     results = []
     for vocab, steps, batch in rows:
         data = make_sets(vocab, steps, batch)
         for mode in modes:
             floor_us = floor_bytes(vocab, steps, batch, mode) / bandwidth * 1e6
+            design_us = float("nan")
+            if constants:
+                out = batch * steps * 4 + (batch * steps * vocab * 2 if mode == "probabilistic" else 0)
+                design_us = design_floor.design_floor_us(
+                    constants, vocab, steps, batch, base_bytes=batch * steps * vocab * 2, out_bytes=out,
+                    sm_count=constants["sm_count"], smem_per_block=constants["smem_per_block"])["design_floor_us"]
             times = {}
             for arm in ARMS:
                 times[arm] = time_arm(arm, mode, *data, repeats=repeats) * 1e6
@@ -112,12 +125,15 @@ def run_gpu(rows=ROWS, modes=MODES, repeats: int = 30, log=print):
             for arm in ARMS:
                 results.append(dict(vocab=vocab, steps=steps, batch=batch, mode=mode, arm=arm, us=times[arm],
                                     speedup=eager / times[arm], floor_us=floor_us,
-                                    floor_fraction=floor_us / times[arm]))
+                                    floor_fraction=floor_us / times[arm], design_floor_us=design_us,
+                                    design_fraction=design_us / times[arm],
+                                    published_h100_us=PUBLISHED_H100_US.get((vocab, steps, batch))
+                                    if mode == "greedy" and arm == ARMS[-1] else None))
         del data
-    return bandwidth, results
+    return bandwidth, constants, results
 
 
-def write_report(bandwidth, results, out_prefix: str, *, command: str, gpu: str, commit: str) -> str:
+def write_report(bandwidth, constants, results, out_prefix: str, *, command: str, gpu: str, commit: str) -> str:
     """Writes <out_prefix>.md, .json and (with matplotlib) .png; returns the markdown table."""
     import json
     import pathlib
@@ -126,18 +142,26 @@ def write_report(bandwidth, results, out_prefix: str, *, command: str, gpu: str,
              f"- command: `{command}`", f"- GPU: {gpu}", f"- jax {jax.__version__}", f"- commit: {commit}",
              f"- measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)",
              f"- timing: {N_SETS} input sets walked in a chain per program (cold L2), median over repeats",
-             "- floor: int8 W2 + scales once, base logits (bf16) once, outputs once, at the copy bandwidth;"
-             " probabilistic rows sample every request at T = 0.8 and return bf16 draft logits", "",
-             "| V | K | B | mode | arm | us/call | speedup vs eager | floor us | fraction of floor |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "- bytes floor: int8 W2 + scales once, base logits (bf16) once, outputs once, at the copy bandwidth;"
+             " probabilistic rows sample every request at T = 0.8 and return bf16 draft logits",
+             "- design floor (benchmarks/design_floor.py): max(bytes floor, W2 load + K x (one on-chip pass over"
+             " W2 + one grid-wide exchange)), from constants the probe kernels measured on this GPU:", ""]
+    if constants:
+        lines += [design_floor.report(constants, rows=[]).split("\n\n")[0], ""]
+    lines += ["| V | K | B | mode | arm | us/call | speedup vs eager | bytes floor us | fraction of bytes floor "
+              "| design floor us | fraction of design floor | published H100 kernel us |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        published = f"{r['published_h100_us']:.0f}" if r.get("published_h100_us") else ""
         lines.append(f"| {r['vocab']} | {r['steps']} | {r['batch']} | {r['mode']} | {r['arm']} | {r['us']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['floor_us']:.1f} | {r['floor_fraction']:.2f} |")
+                     f"{r['speedup']:.2f}x | {r['floor_us']:.1f} | {r['floor_fraction']:.2f} | "
+                     f"{r['design_floor_us']:.1f} | {r['design_fraction']:.2f} | {published} |")
     table = "\n".join(lines) + "\n"
     prefix = pathlib.Path(out_prefix)
     prefix.with_suffix(".md").write_text(table)
     prefix.with_suffix(".json").write_text(json.dumps(dict(command=command, gpu=gpu, jax=jax.__version__,
-                                                           commit=commit, bandwidth=bandwidth, rows=results),
+                                                           commit=commit, bandwidth=bandwidth,
+                                                           design_constants=constants, rows=results),
                                                       indent=1))
     try:
         import matplotlib
@@ -155,7 +179,10 @@ def write_report(bandwidth, results, out_prefix: str, *, command: str, gpu: str,
         ax.bar([x + i * width for x in range(len(configs))], ys, width, label=arm)
     floors = [next(r["floor_us"] for r in results if (r["vocab"], r["steps"], r["batch"], r["mode"]) == c)
               for c in configs]
-    ax.scatter([x + width for x in range(len(configs))], floors, marker="_", s=600, color="k", label="memory floor")
+    ax.scatter([x + width for x in range(len(configs))], floors, marker="_", s=600, color="k", label="bytes floor")
+    designs = [next(r["design_floor_us"] for r in results if (r["vocab"], r["steps"], r["batch"], r["mode"]) == c)
+               for c in configs]
+    ax.scatter([x + width for x in range(len(configs))], designs, marker="_", s=600, color="r", label="design floor")
     ax.set_xticks([x + width for x in range(len(configs))])
     ax.set_xticklabels([f"V={c[0]}\nK={c[1]} B={c[2]}\n{c[3][:5]}" for c in configs], fontsize=7)
     ax.set_ylabel("us per call (log)")
@@ -182,9 +209,8 @@ def main(argv=None):
     commit = os.environ.get("JAX_MARKOV_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     command = "python3 " + " ".join(sys.argv if argv is None else ["benchmarks/benchmark_markov_walk.py"])
-    bandwidth, results = run_gpu(rows=rows, repeats=args.repeats,
-                                 log=lambda s: print(s, flush=True))
-    print(write_report(bandwidth, results, args.out, command=command, gpu=gpu, commit=commit))
+    bandwidth, constants, results = run_gpu(rows=rows, repeats=args.repeats, log=lambda s: print(s, flush=True))
+    print(write_report(bandwidth, constants, results, args.out, command=command, gpu=gpu, commit=commit))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
         logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
     batch_axes = _explicit_batch_axes(ops.base_logits)
     if batch_axes:
-        # Requests split over Explicit mesh axes: each device walks its own rows (the sharded walk's
-        # batch layout), rather than one custom call that would need every row on every device.
+        # Requests split over Explicit mesh axes: each device walks its own rows in the sharded
+        # walk's batch layout, whose shard_map gives the results their sharded types (the bare
+        # primitive's outputs would carry base_logits' [B, K, V] spec).
         from . import sharding
         return sharding.walk(base_logits, anchor, head, mesh=jax.typeof(ops.base_logits).sharding.mesh,
                              layout="batch", batch_axis=batch_axes, temperature=temperature, key=key,

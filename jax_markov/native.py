@@ -30,11 +30,9 @@ if _markov_cuda is not None:
 # The CUDA kernel's envelope (see ffi/cuda/markov_walk.cu).
 CUDA_RANK = 256
 CUDA_MAX_STEPS = 16
-CUDA_MAX_BATCH = {np.dtype("float32"): 64}  # fp32 W1 needs two fp16 columns per request
-CUDA_MAX_BATCH_DEFAULT = 128
-# impl="auto" takes the kernel only where it measured faster than the jitted reference
-# (benchmarks/results/h200.md); impl="ffi" runs it up to the limits above.
-CUDA_AUTO_MAX_BATCH = 16
+# One launch walks up to 64 fp16 columns: a request each, two with fp32 W1 (hi and lo parts).
+# Wider batches walk in chunks of that many columns, one launch each.
+CUDA_LAUNCH_COLUMNS = 64
 CUDA_MIN_CAPABILITY = (9, 0)
 # Where no GPU can be asked (lowering for "cuda" on a CPU-only machine): an H100/H200.
 _ASSUMED_GPU = {"sm_count": 132, "smem_per_block": 232448, "l2_bytes": 50 * 2**20, "major": 9, "minor": 0,
@@ -60,10 +58,10 @@ def _gpu_properties() -> dict:
     return dict(_markov_cuda.device_properties(gpus[0].local_hardware_id))
 
 
-def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype,
-                            auto: bool = False) -> str | None:
-    """Why the CUDA kernel cannot run this walk on this machine's GPUs (or, with auto, would not be
-    the fastest implementation), or None if it should run."""
+def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:
+    """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can. Where it
+    can, it is also the fastest walk of an int8 head (benchmarks/results/h200.md: faster than the
+    jitted int8 reference at every measured batch), so impl="auto" takes it."""
     if _markov_cuda is None:
         return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
     if np.dtype(w2_dtype) != np.int8:
@@ -77,12 +75,7 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
         return f"the CUDA kernel needs rank r = {CUDA_RANK}, got {rank}"
     if steps > CUDA_MAX_STEPS:
         return f"the CUDA kernel walks at most K = {CUDA_MAX_STEPS} steps, got {steps}"
-    max_batch = CUDA_MAX_BATCH.get(np.dtype(w1_dtype), CUDA_MAX_BATCH_DEFAULT)
-    if batch > max_batch:
-        return f"the CUDA kernel takes at most B = {max_batch} requests with {np.dtype(w1_dtype).name} W1, got {batch}"
-    if auto and batch > CUDA_AUTO_MAX_BATCH:
-        return f"the jitted reference measured faster than the kernel above B = {CUDA_AUTO_MAX_BATCH}"
-    columns = batch * (2 if np.dtype(w1_dtype) == np.float32 else 1)
+    columns = min(CUDA_LAUNCH_COLUMNS, batch * (2 if np.dtype(w1_dtype) == np.float32 else 1))
     n_tiles = 1 << max(0, (columns - 1) // 8).bit_length()  # B fragments: 4 KB per 8 columns
     shared_bytes = props["sm_count"] * (props["smem_per_block"] - 4096 * (n_tiles + 1))
     streamed = vocab * rank - shared_bytes

@@ -3,15 +3,22 @@
 cpu  -> the C++ custom call when built, else the reference;
 cuda -> the cooperative sm_90 kernel when the configuration fits it, else the reference;
 any other platform -> the reference (`mlir.lower_fun` of reference.walk_operands).
+Under jit on a mesh the custom call is partitioned along the requests (custom_partitioning): each
+device walks its own rows.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
 from jax import lax
 from jax._src import dispatch
+from jax._src.sharding_impls import ShardingContext
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import arguments, native, reference
 
@@ -56,9 +63,72 @@ def _reference_rule(ctx, *args, params):
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
 
 
+def _ffi_call(params, *ops):
+    """The custom call on operands as its device holds them (all of them, or its own rows)."""
+    shapes = arguments.output_shapes(arguments.WalkOperands(*ops), params)
+    return jax.ffi.ffi_call(native.TARGET, shapes)(
+        *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale))
+
+
+# XLA cannot split an opaque custom call: it would gather every operand onto every device. Under
+# jit on a mesh the call is wrapped in custom_partitioning, whose rule lets only the requests (factor
+# "b") be split: each device walks its own rows with the whole head, and anything split otherwise
+# (a vocabulary-split head or base logits) is gathered first. [0] placeholders get factors of their own.
+_FACTORS = arguments.WalkOperands(base_logits="b k v", anchor="b", w1="t r", w2="v r", w2_scale="v",
+                                  temperature="b", key="b w", position="b", d2t="v")
+_OUTPUT_FACTORS = ("b k", "b k v", "b k r")
+_PER_REQUEST = ("base_logits", "anchor", "temperature", "key", "position")
+
+
+def _sharding_rule(params, mesh, operand_types, result_types):
+    """Shardy's rule: the factors above, each but "b" kept whole (need_replication)."""
+    def mappings(types, factors, prefix):
+        return [f"{prefix}{i}" if mlir.ir.RankedTensorType(t).shape == [0] else f
+                for i, (t, f) in enumerate(zip(types, factors))]
+
+    operands = mappings(operand_types, _FACTORS, "empty_operand")
+    results = mappings(result_types, _OUTPUT_FACTORS, "empty_result")
+    factors = dict.fromkeys(f for m in operands + results for f in m.split())  # Shardy wants them in order
+    rule = f"{', '.join(operands)} -> {', '.join(results)}"
+    return rule, dict(need_replication_factors=tuple(f for f in factors if f != "b"))
+
+
+def _shardings(mesh, arg_shapes, result_shape):
+    """(operand, result) shardings: requests and results split like base_logits' rows, the head
+    and the placeholders replicated."""
+    base = arg_shapes[0].sharding  # None where GSPMD does not know it yet
+    rows = None if base is None else base.spec[0]
+    args = tuple(NamedSharding(mesh, P(rows) if f in _PER_REQUEST else P()) for f in arguments.WalkOperands._fields)
+    return args, tuple(NamedSharding(mesh, P() if x.shape == (0,) else P(rows)) for x in result_shape)
+
+
+def _infer_sharding_from_operands(params, mesh, arg_shapes, result_shape):
+    """GSPMD's propagation (Shardy uses the rule)."""
+    return _shardings(mesh, arg_shapes, result_shape)[1]
+
+
+def _partition(params, mesh, arg_shapes, result_shape):
+    args, results = _shardings(mesh, arg_shapes, result_shape)
+    return mesh, functools.partial(_ffi_call, params), results, args
+
+
+_partitioned_ffi_call = custom_partitioning(_ffi_call, static_argnums=(0,))
+_partitioned_ffi_call.def_partition(_partition, infer_sharding_from_operands=_infer_sharding_from_operands,
+                                    sharding_rule=_sharding_rule)
+# custom_partitioning needs the devices and the mesh while lowering; jit gives them (the mesh of
+# the program's NamedShardings) only to programs with such a primitive.
+dispatch.prim_requires_devices_during_lowering.add(markov_walk_p)
+
+
 def _ffi_rule(ctx, *args, params):
-    return jax.ffi.ffi_lowering(native.TARGET)(
-        ctx, *args, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale))
+    axis_context = ctx.module_context.axis_context
+    # jit over a mesh: partitioned per device. Inside shard_map the operands are the device's own
+    # already, and without a mesh custom_partitioning could not name the split: the plain call.
+    if isinstance(axis_context, ShardingContext) and axis_context.abstract_mesh is not None:
+        call = functools.partial(_partitioned_ffi_call, params)
+    else:
+        call = functools.partial(_ffi_call, params)
+    return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
 
 def _cpu_rule(ctx, *args, params):
@@ -77,8 +147,7 @@ def _cuda_rule(ctx, *args, params):
         return _reference_rule(ctx, *args, params=params)
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
-    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype,
-                                            auto=params.impl == "auto")
+    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype)
     if reason is None:
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":

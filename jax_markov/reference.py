@@ -13,6 +13,7 @@ from .philox import gumbel_noise
 from .result import WalkResult, to_result
 
 _HIGHEST = lax.Precision.HIGHEST
+_ROW_BITS = {2: jnp.uint16, 4: jnp.uint32}  # W1 itemsize -> the unsigned integer type of its bits
 _CONTRACT_RANK = (((1,), (1,)), ((), ()))  # [B, r] x [V, r] -> [B, V]
 
 
@@ -28,6 +29,30 @@ def markov_bias(e, w2, w2_scale, logit_scale: float):
     return jnp.float32(logit_scale) * dot
 
 
+def lookup_rows(w1, idx):
+    """W1[idx] (idx [B], in range) in W1's own dtype, bit for bit, with no W1-sized temporary.
+
+    A gather of W1 itself is not that: XLA's CPU backend runs a bf16/f16 gather in float32, so it
+    widens all of W1 and hoists that convert out of the K-step loop (an f32[V_target, r] copy per
+    call, 155 MB written at V_target = 151936) to widen the B rows it needs. Integer ops are never
+    widened, so the rows are gathered as raw bits. The barrier ties W1 to idx, i.e. to the step:
+    the bit view is then not hoisted either (a W1-sized integer copy per call) but fused into the
+    gather of the B rows."""
+    w1, idx = lax.optimization_barrier((w1, idx))
+    bits = lax.bitcast_convert_type(w1, _ROW_BITS[w1.dtype.itemsize])
+    return lax.bitcast_convert_type(bits[idx], w1.dtype)
+
+
+def spec_argmax(score):
+    """SPEC.md's choice over the last axis: the lowest index of the maximum, or the first NaN.
+
+    jnp.argmax means the same, but XLA's GPU reduction does not keep "first NaN" (it returned the
+    last of two NaNs on an H200), so NaNs are located separately."""
+    nan = jnp.isnan(score)
+    best = jnp.argmax(jnp.where(nan, -jnp.inf, score), axis=-1)
+    return jnp.where(nan.any(axis=-1), jnp.argmax(nan, axis=-1), best).astype(jnp.int32)
+
+
 def step_scorer(columns, temperature, key, position, params: arguments.WalkParams):
     """f(logits, k) -> (l_k, score) of SPEC.md for columns (global vocabulary indices): padding
     -inf, l_k rounded to logits_dtype when logits are asked for, and the score chosen from (l_k
@@ -40,7 +65,10 @@ def step_scorer(columns, temperature, key, position, params: arguments.WalkParam
     def scores(logits, k):
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         if params.return_logits:
-            logits = logits.astype(params.logits_dtype).astype(jnp.float32)
+            # The barrier keeps the rounding: XLA's GPU backend otherwise drops a narrowing convert
+            # followed by a widening one (excess precision) and would choose from the fp32 l_k.
+            rounded = lax.optimization_barrier(logits.astype(params.logits_dtype))
+            logits = rounded.astype(jnp.float32)
         if not params.sampling:
             return logits, logits
         noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
@@ -57,9 +85,9 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
 
     def step(prev, xs):
         base_k, k = xs
-        e = w1[jnp.clip(prev, 0, v_target - 1)]
+        e = lookup_rows(w1, jnp.clip(prev, 0, v_target - 1))
         logits, score = scores(base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale), k)
-        token = jnp.argmax(score, axis=-1).astype(jnp.int32)
+        token = spec_argmax(score)
         if d2t.shape[0]:
             token = token + d2t[token]
         return token, (token, logits.astype(params.logits_dtype), e)

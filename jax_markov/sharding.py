@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import arguments, primitive
-from .reference import markov_bias, scan_steps, step_scorer
+from .reference import markov_bias, scan_steps, spec_argmax, step_scorer
 from .result import WalkResult, to_result
 
 LAYOUTS = ("batch", "vocab", "replicated")
@@ -219,7 +219,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
             base_k, k = xs
             e = embed(prev)
             logits, score = scores(_local_logits(base_k, e, w2, w2_scale, params), k)
-            local = jnp.argmax(score, axis=-1).astype(jnp.int32)  # lowest local index, first NaN
+            local = spec_argmax(score)  # lowest local index, first NaN
             best = jnp.take_along_axis(score, local[:, None], axis=-1)[:, 0]
             token = offset + local
             if d2t.shape[0]:

@@ -105,6 +105,15 @@ def test_parity_dtypes(check_parity, base_dtype, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
+# B <= 2 scores with int8 tensor cores on e split into three int8 digits: every W1 dtype.
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("w1_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
+    rng = np.random.default_rng(17 + batch)
+    base, anchor, head, kw = make_case(rng, batch, 6, 30011, v_target=30500, w1_dtype=w1_dtype, mixed=True)
+    check_parity(base, anchor, head, kw)
+
+
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
 def test_parity_narrow_logits(check_parity, logits_dtype):
     rng = np.random.default_rng(11)
@@ -112,15 +121,20 @@ def test_parity_narrow_logits(check_parity, logits_dtype):
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 
-def test_fp32_w1_large_batch(check_parity):
-    rng = np.random.default_rng(12)
-    base, anchor, head, kw = make_case(rng, 64, 3, 20000, w1_dtype=jnp.float32, mixed=True)
+# One launch walks 64 columns (32 requests with fp32 W1); wider batches walk in chunks, the last
+# one partial.
+@pytest.mark.parametrize("batch,w1_dtype", [(64, jnp.float32), (100, jnp.float32), (130, jnp.bfloat16),
+                                            (256, jnp.bfloat16)])
+def test_batches_beyond_one_launch(check_parity, batch, w1_dtype):
+    rng = np.random.default_rng(batch)
+    base, anchor, head, kw = make_case(rng, batch, 3, 20000, w1_dtype=w1_dtype, mixed=True)
     check_parity(base, anchor, head, kw)
 
 
-def test_batch_128_bf16(check_parity):
-    rng = np.random.default_rng(13)
-    base, anchor, head, kw = make_case(rng, 128, 2, 12000, mixed=True)
+@pytest.mark.parametrize("batch", [128, 256])
+def test_large_batches_benchmark_shape(check_parity, batch):
+    rng = np.random.default_rng(batch + 1)
+    base, anchor, head, kw = make_case(rng, batch, 7, 151936, mixed=True)
     check_parity(base, anchor, head, kw)
 
 

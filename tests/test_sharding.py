@@ -121,9 +121,10 @@ def _case(name):
 
 
 @functools.cache
-def _single_device(name):
+def _single_device(name, impl=None):
+    """The walk of case `name` on one device (with its own impl, or `impl`)."""
     kw, head = _case(name)
-    out = jax_markov.walk(head=head, **kw)
+    out = jax_markov.walk(head=head, **dict(kw, impl=impl or kw["impl"]))
     return jax.tree.map(np.asarray, out)
 
 
@@ -147,12 +148,13 @@ def _layout_kwargs(layout, name):
     return dict(layout="vocab", batch_axis="batch", vocab_axis="vocab", w1_sharded=name == "int8_greedy")
 
 
-def _place(mesh, layout, kw, head, *, w1_sharded=False):
-    """The inputs as a caller of each layout holds them: requests split like the rows; in the vocab
-    layout W2, its scales, d2t and the base logits split along the vocabulary; the replicated
-    layout receives vocabulary-sharded base logits (as from a tensor-parallel LM head)."""
+def _place(mesh, layout, kw, head, *, w1_sharded=False, rows=None):
+    """The inputs as a caller of each layout holds them: requests split like the rows (`rows`, or
+    the layout's); in the vocab layout W2, its scales, d2t and the base logits split along the
+    vocabulary; the replicated layout receives vocabulary-sharded base logits (as from a
+    tensor-parallel LM head)."""
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
-    rows = ("batch", "vocab") if layout == "batch" else "batch"
+    rows = rows or (("batch", "vocab") if layout == "batch" else "batch")
     cols = None if layout == "batch" else "vocab"
     kw = dict(kw)
     for f in ("anchor", "temperature", "key", "position"):
@@ -359,6 +361,84 @@ def test_plain_jit_on_an_explicit_mesh_walks_each_devices_rows():
     _assert_same(out, _single_device("int8_greedy"), "plain jit, explicit mesh")
     hlo = compiled.as_text()
     assert not any(op in hlo for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")), hlo
+
+
+# ----------------------------------------------------------------------------- plain jit: the custom call partitioned
+
+# The result types of each jax_markov_walk custom call in a compiled program: its tokens come first.
+FFI_TOKENS = re.compile(r"= \((\w+\[[\d,]*\])\{[\d,]*\}, .*custom_call_target=\"jax_markov_walk\"")
+
+
+def _plain_jit_ffi(mesh, placed):
+    """jax_markov.walk itself with impl="ffi" for each (name, (kwargs, head)) of `placed`, in one
+    jitted program; checks each against the single-device custom call bit for bit and returns
+    ({name: result}, compiled HLO text)."""
+    statics = {name: dict(_split(kw)[1], impl="ffi") for name, (kw, _) in placed.items()}
+    args = {name: (_split(kw)[0], head) for name, (kw, head) in placed.items()}
+
+    def walks(args):
+        return {name: jax_markov.walk(head=head, **kw, **statics[name]) for name, (kw, head) in args.items()}
+
+    compiled = jax.jit(walks).lower(args).compile()
+    outs = compiled(args)
+    for name, out in outs.items():
+        _assert_same(out, _single_device(name, "ffi"), f"{name} plain jit on {mesh.axis_names}")
+    return outs, compiled.as_text()
+
+
+@needs_8
+@pytest.mark.parametrize("rows,partitioner", [("batch", "shardy"), (("batch", "vocab"), "shardy"),
+                                              (("batch", "vocab"), "gspmd")],
+                         ids=["rows-over-1-axis", "rows-over-2-axes", "rows-over-2-axes-gspmd"])
+def test_plain_jit_on_an_auto_mesh_walks_each_devices_rows_in_the_custom_call(rows, partitioner):
+    """jax_markov.walk itself under jax.jit, requests split over Auto mesh axes, head replicated:
+    the custom call is partitioned (custom_partitioning), each device walks its own rows, nothing
+    is gathered. Greedy, sampled and mixed rows, int8 and bf16 heads, logits and embeds on and off."""
+    mesh = _mesh((2, 4), AxisType.Auto)
+    n_rows = 2 if rows == "batch" else 8
+    placed = {name: _place(mesh, "batch", *_case(name), rows=rows) for name in NAMES}
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+    try:
+        outs, hlo = _plain_jit_ffi(mesh, placed)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+    assert COLLECTIVE.search(hlo) is None, COLLECTIVE.search(hlo)
+    assert FFI_TOKENS.findall(hlo) == [f"s32[{B // n_rows},{K}]"] * len(NAMES), hlo
+    for name, out in outs.items():
+        assert out.tokens.sharding.is_equivalent_to(NamedSharding(mesh, P(rows)), 2), (name, out.tokens.sharding)
+
+
+@needs_8
+def test_plain_jit_with_a_vocab_sharded_head_on_an_auto_mesh():
+    """Requests over "batch", base logits, W2, its scales, d2t (and W1 for the int8 greedy walk)
+    split along the vocabulary over "vocab": the vocabulary is gathered, the custom call still walks
+    each request group's own rows, and the results are those of the single-device call."""
+    mesh = _mesh((2, 4), AxisType.Auto)
+    placed = {name: _place(mesh, "vocab", *_case(name), w1_sharded=name == "int8_greedy") for name in NAMES}
+    outs, hlo = _plain_jit_ffi(mesh, placed)
+    for name, out in outs.items():
+        assert out.tokens.sharding.is_equivalent_to(NamedSharding(mesh, P("batch")), 2), (name, out.tokens.sharding)
+    assert FFI_TOKENS.findall(hlo) == [f"s32[{B // 2},{K}]"] * len(NAMES), hlo
+
+
+@needs_8
+def test_vmap_under_jit_with_a_sharded_batch():
+    """jax.vmap of jax_markov.walk under jax.jit, the mapped axis over "batch" and the requests over
+    "vocab": the vmap rule folds both into one request batch, which the custom call walks per
+    device without a collective; the results are those of the single-device call."""
+    mesh = _mesh((2, 4), AxisType.Auto)
+    kw, head = _case("int8_sampled")
+    arrays, static = _split(dict(kw, impl="ffi"))
+    arrays = {f: x.reshape(2, B // 2, *x.shape[1:]) for f, x in arrays.items()}
+    arrays = {f: jax.device_put(x, NamedSharding(mesh, P("batch", "vocab"))) for f, x in arrays.items()}
+    compiled = jax.jit(jax.vmap(lambda a: jax_markov.walk(head=head, **a, **static).tokens)).lower(arrays).compile()
+    tokens = compiled(arrays)
+    expected = _single_device("int8_sampled", "ffi").tokens
+    np.testing.assert_array_equal(np.asarray(tokens), expected.reshape(2, B // 2, K))
+    hlo = compiled.as_text()
+    assert COLLECTIVE.search(hlo) is None, COLLECTIVE.search(hlo)
+    assert FFI_TOKENS.findall(hlo) == [f"s32[{B // 8},{K}]"], hlo
 
 
 # ----------------------------------------------------------------------------- the choice across shards

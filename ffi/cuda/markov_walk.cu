@@ -37,8 +37,8 @@ constexpr int kRank = 256;
 constexpr int kTileRows = 16;
 constexpr int kTileBytes = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
-constexpr int kMaxBatch = 128;  // 16 n-tiles of 8 columns
-constexpr int kMaxStageBytes = 40 * 1024;
+constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
+constexpr int kMaxStageBytes = 10 * 1024;
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -64,37 +64,7 @@ struct WalkArgs {
   int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
 };
 
-__device__ __forceinline__ float LoadAsFloat(const void* p, size_t i, int dtype) {
-  if (dtype == kF32) return __ldcs(static_cast<const float*>(p) + i);
-  const unsigned short bits = __ldcs(static_cast<const unsigned short*>(p) + i);
-  if (dtype == kBF16) return __bfloat162float(__ushort_as_bfloat16(bits));
-  return __half2float(__ushort_as_half(bits));
-}
-
-__device__ __forceinline__ float SharedAsFloat(const unsigned char* p, size_t i, int dtype) {
-  if (dtype == kF32) return reinterpret_cast<const float*>(p)[i];
-  const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[i];
-  if (dtype == kBF16) return __bfloat162float(__ushort_as_bfloat16(bits));
-  return __half2float(__ushort_as_half(bits));
-}
-
 __device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
-
-// Starts copying request rows [first_row, first_row + rows) of step k's base logits into `staged`
-// ([B][stage_rows]) with cp.async; V and first_row are such that every 16-byte chunk is whole.
-template <int THREADS>
-__device__ __forceinline__ void StageBaseLogits(const WalkArgs& a, unsigned char* staged, int stage_rows, int first_row,
-                                                int rows, int k) {
-  const int esize = ElementBytes(a.base_dtype);
-  const int chunks = rows * esize / 16;
-  for (int c = threadIdx.x; c < a.batch * chunks; c += THREADS) {
-    const int rq = c / chunks, j = c % chunks;
-    const char* src = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize + 16 * j;
-    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged + size_t(rq) * stage_rows * esize + 16 * j));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
 
 // Stores l in the logits dtype and returns the stored value (the walk chooses from it).
 __device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
@@ -130,6 +100,19 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d0 + 2^8 d1 + 2^16 d2 from three exact int32 digit sums (each |d| < 2^22, so exact in fp32).
+__device__ __forceinline__ float DigitsToFloat(int d0, int d1, int d2) {
+  return __fmaf_rn(float(d2), 65536.0f, __fmaf_rn(float(d1), 256.0f, float(d0)));
+}
+
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
@@ -142,12 +125,10 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
 
 __device__ __forceinline__ unsigned short HalfBits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 
-// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B-fragment columns,
-// writes its embeds row when this CTA owns request b, and records the power-of-two unscale.
-template <int NT, bool SPLIT>
-__device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
-                                               uint2* frag, float* unscale) {
-  float e[8];
+// Lane L's 8 elements e[8L .. 8L+7] of request b's W1 row as floats (raw words of W1[prev_b]);
+// writes the embeds row when this CTA owns request b.
+__device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                                 float (&e)[8]) {
   if (a.w1_dtype == kF32) {
     const float* f = reinterpret_cast<const float*>(&raw[0]);
 #pragma unroll
@@ -169,11 +150,60 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
       dst[lane] = raw[0];
     }
   }
+}
+
+__device__ __forceinline__ float WarpMaxAbs(const float (&e)[8]) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  return amax;
+}
+
+// Small batches (B <= 2) score with int8 tensor cores, with no conversion of W2 at all: e is
+// written as a 24-bit integer E = rint(e * 2^shift) (max |E| in [2^21, 2^22)) in three balanced
+// int8 digits, E = d0 + 2^8 d1 + 2^16 d2, and each digit is its own B column (column 3b + d). The
+// int32 products and sums are exact; only e's bits below 2^-22 of its largest element are lost.
+// Lane L writes digit d of e[8L .. 8L+7] to bytes 8L .. 8L+7 of row 3b + d of `digits` ([8][256]).
+__device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                            int8_t* digits, float* unscale) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const float amax = WarpMaxAbs(e);
+  int shift = 0;
+  if (amax > 0.0f && amax <= 3.0e38f) {
+    int exponent;
+    frexpf(amax, &exponent);
+    shift = min(22 - exponent, 126);
+  }
+  if (lane == 0) unscale[b] = ldexpf(1.0f, -shift);
+  uint32_t words[3][2] = {};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float scaled = ldexpf(e[i], shift);
+    int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+      const int digit = d < 2 ? ((v + 128) & 0xFF) - 128 : v;
+      v = (v - digit) >> 8;
+      words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < 3; ++d) {
+    reinterpret_cast<uint2*>(digits + (3 * b + d) * kRank)[lane] = make_uint2(words[d][0], words[d][1]);
+  }
+}
+
+// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B-fragment columns,
+// writes its embeds row when this CTA owns request b, and records the power-of-two unscale.
+template <int NT, bool SPLIT>
+__device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                               uint2* frag, float* unscale) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const float amax = WarpMaxAbs(e);
   // Scale by 2^shift so that max|e| lands in [2^14, 2^15): fp16 then holds 11 significant bits of
   // every element that matters; the shift is undone exactly after the dot product.
   int shift = 0;
@@ -207,35 +237,119 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
 
 // Request finished by slot i of thread-in-group t: with SPLIT, n-tile i holds (hi, lo) columns of
 // request 4i + t; otherwise n-tile i / 2 holds requests 8(i / 2) + 2t and 8(i / 2) + 2t + 1.
-template <bool SPLIT>
-__device__ __forceinline__ int SlotRequestOf(int i, int t) {
+// With DIGITS (B <= 2), lane t = 0 finishes request 0 and t = 2 request 1; t = 1, 3 own none.
+template <bool SPLIT, bool DIGITS = false>
+__device__ __forceinline__ int SlotRequest(int i, int t) {
+  if (DIGITS) return t == 0 ? 0 : (t == 2 ? 1 : kMaxBatch);
   return SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
 }
 
-// Base logits for kGroup slots starting at `first`, rows row_a and row_b, at clamped indices.
-// With staging, they come from the CTA's shared-memory copy `staged` ([B][stage_rows] rows from
-// `first_row`) instead.
-template <bool SPLIT, int kGroup, int kSlots>
-__device__ __forceinline__ void LoadBaseGroupImpl(const WalkArgs& a, const unsigned char* staged, int stage_rows,
-                                                  int first_row, int first, int k, int row_a, int row_b, int t,
-                                                  float (&base_a)[kGroup], float (&base_b)[kGroup]) {
-  const int ra = min(row_a, a.vocab - 1), rb = min(row_b, a.vocab - 1);
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool fill) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most n of this thread's cp.async groups are still in flight (n > 7 waits for 7).
+__device__ __forceinline__ void CpAsyncWaitPending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
+__device__ __forceinline__ float BitsToFloat(uint32_t bits, int dtype) {
+  if (dtype == kF32) return __uint_as_float(bits);
+  if (dtype == kBF16) return __uint_as_float(bits << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+// Lane (g, t)'s 8 chunks of a 16-row tile: rows row0 + g (i < 4) and row0 + g + 8, chunk 4(i & 3) + t.
+// Rows past V read row V - 1 instead (their scores are never used): nothing waits for these loads
+// until the tile is scored.
+__device__ __forceinline__ void LoadTileGlobal(const int8_t* q, int vocab, int row0, int g, int t, uint4 (&raw)[8]) {
 #pragma unroll
-  for (int gi = 0; gi < kGroup; ++gi) {
-    const int rq = min(SlotRequestOf<SPLIT>(min(first + gi, kSlots - 1), t), a.batch - 1);
-    if (a.stage_base) {
-      const size_t offset = size_t(rq) * stage_rows - first_row;
-      base_a[gi] = SharedAsFloat(staged, offset + ra, a.base_dtype);
-      base_b[gi] = SharedAsFloat(staged, offset + rb, a.base_dtype);
-    } else {
-      const size_t offset = (size_t(rq) * a.steps + k) * a.vocab;
-      base_a[gi] = LoadAsFloat(a.base, offset + ra, a.base_dtype);
-      base_b[gi] = LoadAsFloat(a.base, offset + rb, a.base_dtype);
+  for (int i = 0; i < 8; ++i) {
+    const int row = min(row0 + g + (i < 4 ? 0 : 8), vocab - 1);
+    raw[i] = __ldcg(reinterpret_cast<const uint4*>(q + size_t(row) * kRank) + 4 * (i & 3) + t);
+  }
+}
+
+// Starts copying request rows [first_row, first_row + rows) of step k's base logits into `staged`
+// ([B][stage_rows]) with cp.async, as one commit group; every 16-byte chunk is whole (see Launch).
+template <int THREADS>
+__device__ __forceinline__ void StageBaseLogits(const WalkArgs& a, unsigned char* staged, int stage_rows, int first_row,
+                                                int rows, int k) {
+  const int esize = ElementBytes(a.base_dtype);
+  const int chunks = rows * esize / 16;
+  for (int c = threadIdx.x; c < a.batch * chunks; c += THREADS) {
+    const int rq = c / chunks, j = c % chunks;
+    const char* src = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize + 16 * j;
+    CpAsync16(staged + size_t(rq) * stage_rows * esize + 16 * j, src, true);
+  }
+  CpAsyncCommit();
+}
+
+// Asks L2 for step k's base logits of rows [first_row, first_row + rows), all requests: the loads
+// in the scoring loop then wait for L2, not HBM.
+template <int THREADS>
+__device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_row, int rows, int k) {
+  const int esize = ElementBytes(a.base_dtype);
+  const int lines = (rows * esize + 127) / 128 + 1;
+  for (int c = threadIdx.x; c < a.batch * lines; c += THREADS) {
+    const int rq = c / lines, line = c % lines;
+    const char* start = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize;
+    const char* p = start + min(128 * line, rows * esize - 1);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+}
+
+// Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
+// (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
+// of one call issue before any is used.
+template <bool SPLIT, bool DIGITS, int kSlots>
+__device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, int stage_rows,
+                                             int first_row, int k, int row0, int g, int t, uint32_t (&ba)[kSlots],
+                                             uint32_t (&bb)[kSlots]) {
+  const int ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
+  if (a.stage_base) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const int offset = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1) * stage_rows - first_row;
+      if (a.base_dtype == kF32) {
+        ba[i] = reinterpret_cast<const uint32_t*>(staged)[offset + ra];
+        bb[i] = reinterpret_cast<const uint32_t*>(staged)[offset + rb];
+      } else {
+        ba[i] = reinterpret_cast<const unsigned short*>(staged)[offset + ra];
+        bb[i] = reinterpret_cast<const unsigned short*>(staged)[offset + rb];
+      }
+    }
+  } else if (a.base_dtype == kF32) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
+      ba[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + ra);
+      bb[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + rb);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
+      ba[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + ra);
+      bb[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + rb);
     }
   }
 }
 
-// Shared-memory layout: B fragments, per-request state, then the resident W2 tiles.
+// Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
+// logits (small batches), then the resident W2 tiles.
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
@@ -243,16 +357,41 @@ struct Smem {
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
 };
 
-template <int NT, bool SPLIT, int THREADS>
+// Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
+// are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
+// that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
+// streamed tiles spread evenly among its resident ones, starting with one, so each streamed
+// tile's load is issued a few tiles before it is needed (the first one before the step begins).
+template <int kWarps>
+struct WarpTiles {
+  int warp, resident, n_resident, n_streamed;
+  __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
+    const int r = min(resident_tiles, my_tiles);
+    n_resident = w < r ? (r - 1 - w) / kWarps + 1 : 0;
+    const int first_streamed = r + (kWarps - 1 - w);
+    n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarps + 1 : 0;
+  }
+  __device__ int total() const { return n_resident + n_streamed; }
+  __device__ int Local(bool streamed, int i) const {
+    return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
+  }
+  // Position n of the warp's order is streamed tile `is` when n is that tile's slot.
+  __device__ bool StreamedAt(int n, int is) const { return is < n_streamed && (is * total()) / n_streamed == n; }
+};
+
+template <int NT, bool SPLIT, bool DIGITS, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
+  static_assert(!DIGITS || (NT == 1 && !SPLIT), "the int8-digit path walks up to 2 requests in one n-tile");
   constexpr int kWarps = THREADS / 32;
-  constexpr int kSlots = SPLIT ? NT : 2 * NT;  // requests a thread owns per row
-  constexpr int kGroup = kSlots < 8 ? kSlots : 8;  // base logits fetched together per request group
-  constexpr int kChains = NT <= 2 ? 2 : 1;
-  constexpr int kRowsPerPass = 4;  // W1 rows a warp fetches at once
-  const auto SlotRequest = [](int i, int t) { return SlotRequestOf<SPLIT>(i, t); };
+  constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
+  constexpr int kChains = NT == 1 ? 2 : 1;
+  constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
+  // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
+  // cover the latency of fetching them at the start of the tile.
+  constexpr bool kBaseAhead = NT <= 4;
   extern __shared__ __align__(16) unsigned char smem[];
   uint2* frag = reinterpret_cast<uint2*>(smem);
+  int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
   int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
   float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
@@ -261,21 +400,21 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* key1 = key0 + kMaxBatch;
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
+  float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
-  unsigned char* staged = smem + Smem<NT>::kFixedBytes;
+  unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   unsigned char* resident = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
-  const int first_row = blockIdx.x * a.tiles_per_cta * kTileRows;
-  const auto LoadBaseGroup = [&](const WalkArgs& a, int first, int k, int row_a, int row_b, int t,
-                                 float (&base_a)[kGroup], float (&base_b)[kGroup]) {
-    LoadBaseGroupImpl<SPLIT, kGroup, kSlots>(a, staged, stage_rows, first_row, first, k, row_a, row_b, t, base_a, base_b);
-  };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int batch = a.batch, steps = a.steps, vocab = a.vocab;
   const int first_tile = blockIdx.x * a.tiles_per_cta;
+  const int first_row = first_tile * kTileRows;
   const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
+  const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
+  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   for (int i = tid; i < Smem<NT>::kFragBytes / 8; i += THREADS) frag[i] = make_uint2(0, 0);
   for (int b = tid; b < kMaxBatch; b += THREADS) {
@@ -289,124 +428,221 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  __syncthreads();
+  for (int i = tid; i < stage_rows; i += THREADS) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
 
-  for (int k = 0; k < steps; ++k) {
-    // 0. Step k's base logits for this CTA's rows start moving into shared memory while the
-    //    fragments are built.
-    if (a.stage_base && my_tiles > 0) {
-      StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, min(my_tiles * kTileRows, vocab - first_row), k);
+  // Everything that does not depend on the walk starts moving now: step 0's base logits, then this
+  // warp's resident tiles (one cp.async group per tile, in scoring order, each lane copying the
+  // 8 chunks it will read itself), then its first streamed tile into registers.
+  if (a.stage_base && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
+  if (!a.stage_base && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
+  for (int i = 0; i < tiles.n_resident; ++i) {
+    const int j = tiles.Local(false, i), row0 = RowOf(j);
+    uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int row = row0 + g + (c < 4 ? 0 : 8);
+      CpAsync16(slot + c * 32, reinterpret_cast<const uint4*>(a.q + size_t(min(row, vocab - 1)) * kRank) + 4 * (c & 3) + t,
+                row < vocab);
+    }
+    CpAsyncCommit();
+  }
+  uint4 pre[8];
+  if (tiles.n_streamed > 0) LoadTileGlobal(a.q, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+  // Greedy rows with no logits out take a scoring epilogue without branches.
+  const bool plain = !__syncthreads_or(tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
+
+  for (int k = 0; k <= steps; ++k) {
+    if (k > 0) {
+      // Step k's inputs that do not depend on the choice start moving before the wait.
+      if (k < steps && my_tiles > 0) {
+        if (a.stage_base) {
+          StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
+        } else {
+          PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+        }
+        if (tiles.n_streamed > 0) LoadTileGlobal(a.q, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+      }
+      // Wait for every CTA's step k-1 key (they arrived at the end of step k-1).
+      if (tid == 0) {
+        const unsigned int target = gridDim.x * k;
+        while (LoadAcquire(&a.counters[0]) < target) {
+        }
+      }
+      __syncthreads();
     }
 
-    // 1. e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A warp fetches the rows
-    //    of kRowsPerPass requests before converting any, so their latencies overlap.
+    // 1. Step k-1's choices; e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A
+    //    warp reads the keys of kRowsPerPass requests, then their W1 rows, before converting any.
     for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
-      uint4 w1_raw[kRowsPerPass][2];
+      int row[kRowsPerPass];
 #pragma unroll
       for (int u = 0; u < kRowsPerPass; ++u) {
         const int b = min(first + u * kWarps, batch - 1);
-        const int row = ClampIndex(prev[b], a.v_target);
+        if (k == 0) {
+          row[u] = prev[b];
+        } else {
+          const uint32_t token = ArgmaxKeyIndex(__ldcg(&a.slots[(k - 1) * kMaxBatch + b]));
+          row[u] = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
+        }
+      }
+      if (k > 0 && blockIdx.x == 0 && lane == 0) {
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) {
+          const int b = first + u * kWarps;
+          if (b < batch) a.tokens[b * steps + k - 1] = row[u];
+        }
+      }
+      if (k == steps) continue;
+      uint4 w1_raw[kRowsPerPass][2];
+#pragma unroll
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int r = ClampIndex(row[u], a.v_target);
         if (a.w1_dtype == kF32) {
-          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(row) * kRank) + 2 * lane;
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
           w1_raw[u][0] = __ldg(src);
           w1_raw[u][1] = __ldg(src + 1);
         } else {
-          w1_raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(row) * kRank) + lane);
+          w1_raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
         }
       }
 #pragma unroll
       for (int u = 0; u < kRowsPerPass; ++u) {
         const int b = first + u * kWarps;
         if (b >= batch) break;
-        BuildFragments<NT, SPLIT>(a, b, k, lane, w1_raw[u], frag, unscale);
+        if constexpr (DIGITS) {
+          BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
+        } else {
+          BuildFragments<NT, SPLIT>(a, b, k, lane, w1_raw[u], frag, unscale);
+        }
       }
     }
-    if (a.stage_base) asm volatile("cp.async.wait_all;" ::: "memory");
+    if (k == steps) break;
+    if (a.stage_base) CpAsyncWaitPending(k == 0 ? tiles.n_resident : 0);
     __syncthreads();
 
-    // 2. Score this CTA's tiles; keep the best key per owned request in registers.
+    // 2. Score this warp's tiles; keep the best key per owned request in registers.
+    uint4 digit_frag[4];  // DIGITS: lane (g, t)'s B fragments, column g at k = 64q + 16t .. +15
+    if constexpr (DIGITS) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
+    }
     unsigned long long best[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) best[i] = 0;
-
-    for (int j = warp; j < my_tiles; j += kWarps) {
-      const int row0 = (first_tile + j) * kTileRows;
-      const int row_a = row0 + g, row_b = row0 + g + 8;
-      const bool is_resident = j < a.resident_tiles;
-      uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+    int im = 0, is = 0;
+    bool next_streamed = tiles.StreamedAt(0, 0);
+    int next_tile = tiles.Local(next_streamed, 0);
+    uint32_t base_a[kSlots], base_b[kSlots];
+    if (kBaseAhead && tiles.total() > 0) {
+      LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
+    }
+    for (int n = 0; n < tiles.total(); ++n) {
+      const int j = next_tile;
+      const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
       uint4 raw[8];
-      if (is_resident && k > 0) {
+      if (next_streamed) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) raw[i] = pre[i];
+        ++is;
+        if (is < tiles.n_streamed) LoadTileGlobal(a.q, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      } else {
+        if (k == 0) CpAsyncWaitPending(tiles.n_resident - im - 1);
+        const uint4* slot = reinterpret_cast<const uint4*>(resident + size_t(j) * kTileBytes) + lane;
 #pragma unroll
         for (int i = 0; i < 8; ++i) raw[i] = slot[i * 32];
-      } else {
+        ++im;
+      }
+      uint32_t next_a[kSlots], next_b[kSlots];
+      if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
+      if (n + 1 < tiles.total()) {
+        next_streamed = tiles.StreamedAt(n + 1, is);
+        next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
+        if (kBaseAhead) {
+          LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+        }
+      }
+      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+
+      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
+      float dot_a[kSlots], dot_b[kSlots];
+      if constexpr (DIGITS) {
+        int acc[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int row = i < 4 ? row_a : row_b;
-          const int chunk = 4 * (i & 3) + t;
-          const uint4* src = reinterpret_cast<const uint4*>(a.q + size_t(row) * kRank) + chunk;
-          if (row < vocab) {
-            raw[i] = is_resident ? __ldcs(src) : __ldcg(src);
-          } else {
-            raw[i] = make_uint4(0, 0, 0, 0);
+        for (int s = 0; s < 8; ++s) {
+          const int w = 2 * (s & 1);
+          Imma16832(acc[s & 1], Word(raw[s >> 1], w), Word(raw[4 + (s >> 1)], w), Word(raw[s >> 1], w + 1),
+                    Word(raw[4 + (s >> 1)], w + 1), Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+        }
+        int c[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+        // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+        // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+        const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+        const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+        const bool first = t == 0;
+        dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+        dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+      } else {
+        // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
+        float acc[kChains * NT][4];
+#pragma unroll
+        for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 16; ++s) {
+          const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
+          const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
+          const uint32_t a0 = Int8PairToHalf2(wa, 0x4140), a1 = Int8PairToHalf2(wb, 0x4140);
+          const uint32_t a2 = Int8PairToHalf2(wa, 0x4342), a3 = Int8PairToHalf2(wb, 0x4342);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
+            Mma16816(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
           }
         }
-        if (is_resident) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) slot[i * 32] = raw[i];
+        for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
+          }
         }
-      }
-
-      // Scales and the first group of base logits are fetched before the MMAs so that their latency
-      // hides behind them. Indices are clamped so that every load is unconditional and in bounds.
-      const float scale_a = __ldg(a.scale + min(row_a, vocab - 1));
-      const float scale_b = __ldg(a.scale + min(row_b, vocab - 1));
-      float base_a[kGroup], base_b[kGroup];
-      LoadBaseGroup(a, 0, k, row_a, row_b, t, base_a, base_b);
-
-      // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
-      float acc[kChains * NT][4];
 #pragma unroll
-      for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-      for (int s = 0; s < 16; ++s) {
-        const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
-        const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
-        const uint32_t a0 = Int8PairToHalf2(wa, 0x4140), a1 = Int8PairToHalf2(wb, 0x4140);
-        const uint32_t a2 = Int8PairToHalf2(wa, 0x4342), a3 = Int8PairToHalf2(wb, 0x4342);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
-          Mma16816(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
-        }
-      }
-#pragma unroll
-      for (int c = 1; c < kChains; ++c) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
-        }
-      }
-
-#pragma unroll
-      for (int group = 0; group < kSlots; group += kGroup) {
-        if (group > 0) LoadBaseGroup(a, group, k, row_a, row_b, t, base_a, base_b);
-#pragma unroll
-        for (int gi = 0; gi < kGroup; ++gi) {
-          const int i = group + gi;
-          if (i >= kSlots) break;
+        for (int i = 0; i < kSlots; ++i) {
           const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-          const int rq = SlotRequest(i, t);
+          dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+          dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
+        }
+      }
+
+      if (plain) {
+        // Greedy rows and no logits out: l_k and its key, with no branches.
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int rq = min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1);
+          const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale[rq]));
+            const float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            const unsigned long long packed = owned && row < vocab ? PackArgmaxKey(l, uint32_t(row)) : 0ull;
+            best[i] = packed > best[i] ? packed : best[i];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
           if (rq >= batch) continue;
-          const float dot_a = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
-          const float dot_b = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             if (row >= vocab) continue;
             const size_t index = (size_t(rq) * steps + k) * vocab + row;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b : dot_a) * unscale[rq]));
-            float l = row < a.vocab_size ? (h ? base_b[gi] : base_a[gi]) + bias : -INFINITY;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale[rq]));
+            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
             float score = l;
             if (inv_t[rq] > 0.0f) {
@@ -415,6 +651,13 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
             best[i] = packed > best[i] ? packed : best[i];
           }
+        }
+      }
+      if (kBaseAhead) {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          base_a[i] = next_a[i];
+          base_b[i] = next_b[i];
         }
       }
     }
@@ -427,41 +670,41 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
         best[i] = other > best[i] ? other : best[i];
       }
-      const int rq = SlotRequest(i, t);
+      const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
       if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
     }
     __syncthreads();
 
-    // 4. Publish one key per request, arrive, wait for every CTA, read the choice.
-    unsigned long long* step_slots = a.slots + k * kMaxBatch;
+    // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
+    //    its prefetches are issued.
     if (tid < batch) {
-      if (cta_best[tid] != 0) atomicMax(&step_slots[tid], cta_best[tid]);
+      const unsigned long long mine = cta_best[tid];
+      if (mine != 0) {
+        atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+        // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
+        const uint32_t token = ArgmaxKeyIndex(mine);
+        if (a.d2t == nullptr && k + 1 < steps) {
+          const char* row = static_cast<const char*>(a.w1) + size_t(ClampIndex(token, a.v_target)) * kRank * ElementBytes(a.w1_dtype);
+          for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + line));
+          }
+        }
+      }
       cta_best[tid] = 0;
-      __threadfence();
     }
     __syncthreads();
     if (tid == 0) {
       __threadfence();
       atomicAdd(&a.counters[0], 1u);
-      const unsigned int target = gridDim.x * (k + 1);
-      while (LoadAcquire(&a.counters[0]) < target) {
-      }
-      __threadfence();
     }
-    __syncthreads();
-    if (tid < batch) {
-      const uint32_t token = ArgmaxKeyIndex(__ldcg(&step_slots[tid]));
-      const int32_t chosen = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
-      prev[tid] = chosen;
-      if (blockIdx.x == 0) a.tokens[tid * steps + k] = chosen;
-    }
-    __syncthreads();
   }
 
   // The last CTA out leaves the workspace zeroed for the next call on this stream.
+  __syncthreads();
   if (tid == 0) {
     __threadfence();
     *last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
+    __threadfence();
   }
   __syncthreads();
   if (*last_out) {
@@ -521,19 +764,20 @@ ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
 }
 
-template <int NT, bool SPLIT>
+template <int NT, bool SPLIT, bool DIGITS = false>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
-  constexpr int kThreads = NT <= 2 ? 512 : 256;
-  auto kernel = MarkovWalkKernel<NT, SPLIT, kThreads>;
+  constexpr int kThreads = NT <= 2 ? 384 : 256;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, kThreads>;
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
   args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  // Small batches stage each step's base logits in shared memory (one bulk copy per step instead of
-  // a global-latency wait per tile), at the price of some resident W2 tiles.
+  const int rows_per_cta = args.tiles_per_cta * kTileRows;
+  // Small batches stage each step's base logits in shared memory (one bulk copy per step, issued
+  // before the grid-wide wait), at the price of a few resident W2 tiles.
   const int esize = args.base_dtype == kF32 ? 4 : 2;
-  const int stage_bytes = args.batch * args.tiles_per_cta * kTileRows * esize;
+  const int stage_bytes = args.batch * rows_per_cta * esize;
   args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
-  const int fixed = Smem<NT>::kFixedBytes + (args.stage_base ? stage_bytes : 0);
+  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
@@ -562,11 +806,11 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
 template <bool SPLIT>
 ffi::Error LaunchForColumns(int columns, cudaStream_t stream, int device, const DeviceProperties& props,
                             const WalkArgs& args) {
+  if (args.batch <= 2) return Launch<1, false, true>(stream, device, props, args);
   if (columns <= 8) return Launch<1, SPLIT>(stream, device, props, args);
   if (columns <= 16) return Launch<2, SPLIT>(stream, device, props, args);
   if (columns <= 32) return Launch<4, SPLIT>(stream, device, props, args);
-  if (columns <= 64) return Launch<8, SPLIT>(stream, device, props, args);
-  return Launch<16, SPLIT>(stream, device, props, args);
+  return Launch<8, SPLIT>(stream, device, props, args);
 }
 
 ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
@@ -588,8 +832,7 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   const int base_dtype = DTypeCode(base.element_type()), w1_dtype = DTypeCode(w1.element_type());
   if (base_dtype == kNone || w1_dtype == kNone) return Invalid("base_logits and w1 must be f32, bf16 or f16");
   const bool split = w1_dtype == kF32;
-  const int64_t columns = split ? 2 * batch : batch;
-  if (batch < 1 || columns > kMaxBatch) return Invalid("B too large for the CUDA kernel (128 requests, 64 with fp32 W1)");
+  if (batch < 1) return Invalid("B must be at least 1");
   if (anchor.element_count() != batch || temperature.element_count() != batch || position.element_count() != batch ||
       key.element_count() != 2 * batch) {
     return Invalid("anchor, temperature, key and position must have B requests");
@@ -633,7 +876,6 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   args.embeds = want_embeds ? embeds->untyped_data() : nullptr;
   args.slots = ws.slots;
   args.counters = ws.counters;
-  args.batch = int(batch);
   args.steps = int(steps);
   args.vocab = int(vocab);
   args.v_target = int(w1d[0]);
@@ -643,8 +885,28 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
   args.logits_dtype = want_logits ? logits_dtype : kF32;
   args.logit_scale = logit_scale;
-  return split ? LaunchForColumns<true>(int(columns), stream, device, props, args)
-               : LaunchForColumns<false>(int(columns), stream, device, props, args);
+  // Requests are independent walks: a batch wider than one launch's kMaxBatch columns walks in
+  // chunks, one launch each, in order on the stream (each leaves the workspace zeroed).
+  const int64_t chunk = split ? kMaxBatch / 2 : kMaxBatch;
+  const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
+  const int logits_esize = logits_dtype == kF32 ? 4 : 2;
+  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+    WalkArgs part = args;
+    part.batch = int(std::min(chunk, batch - b0));
+    part.base = static_cast<const char*>(args.base) + b0 * steps * vocab * base_esize;
+    part.anchor = args.anchor + b0;
+    part.temperature = args.temperature + b0;
+    part.key = args.key + 2 * b0;
+    part.position = args.position + b0;
+    part.tokens = args.tokens + b0 * steps;
+    if (want_logits) part.logits = static_cast<char*>(args.logits) + b0 * steps * vocab * logits_esize;
+    if (want_embeds) part.embeds = static_cast<char*>(args.embeds) + b0 * steps * kRank * w1_esize;
+    const int columns = split ? 2 * part.batch : part.batch;
+    const ffi::Error err = split ? LaunchForColumns<true>(columns, stream, device, props, part)
+                                 : LaunchForColumns<false>(columns, stream, device, props, part);
+    if (err.failure()) return err;
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace

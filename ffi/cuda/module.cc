@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/markov_walk_cuda.h"
+#include "cuda/probes.h"
 
 namespace nb = nanobind;
 
@@ -26,4 +27,26 @@ NB_MODULE(_markov_cuda, m) {
         return d;
       },
       nb::arg("ordinal"), "Properties of CUDA device `ordinal` that decide whether the kernel runs there.");
+  m.def(
+      "measure_design_constants",
+      [](int ordinal) {
+        jax_markov::DesignConstants c;
+        {
+          nb::gil_scoped_release release;  // the probes take about a second
+          c = jax_markov::MeasureDesignConstants(ordinal);
+        }
+        nb::dict d;
+        d["hbm_copy_bytes_per_s"] = c.hbm_copy_bytes_per_s;
+        d["smem_read_bytes_per_s"] = c.smem_read_bytes_per_s;
+        d["l2_read_bytes_per_s"] = c.l2_read_bytes_per_s;
+        d["exchange_s"] = c.exchange_s;
+        d["exchange_per_request_s"] = c.exchange_per_request_s;
+        d["mma_per_s"] = c.mma_per_s;
+        d["coop_launch_gap_s"] = c.coop_launch_gap_s;
+        d["sm_count"] = c.sm_count;
+        d["smem_per_block"] = c.smem_per_block;
+        return d;
+      },
+      nb::arg("ordinal"),
+      "Runs the design-floor probes (ffi/cuda/probes.cu) on CUDA device `ordinal` and returns their constants.");
 }
