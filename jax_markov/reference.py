@@ -13,7 +13,7 @@ from .philox import gumbel_noise
 from .result import WalkResult, to_result
 
 _HIGHEST = lax.Precision.HIGHEST
-_ROW_BITS = {2: jnp.uint16, 4: jnp.uint32}  # W1 itemsize -> the unsigned integer type of its bits
+ROW_BITS = {2: jnp.uint16, 4: jnp.uint32}  # W1 itemsize -> the unsigned integer type of its bits
 _CONTRACT_RANK = (((1,), (1,)), ((), ()))  # [B, r] x [V, r] -> [B, V]
 
 
@@ -39,7 +39,7 @@ def lookup_rows(w1, idx):
     the bit view is then not hoisted either (a W1-sized integer copy per call) but fused into the
     gather of the B rows."""
     w1, idx = lax.optimization_barrier((w1, idx))
-    bits = lax.bitcast_convert_type(w1, _ROW_BITS[w1.dtype.itemsize])
+    bits = lax.bitcast_convert_type(w1, ROW_BITS[w1.dtype.itemsize])
     return lax.bitcast_convert_type(bits[idx], w1.dtype)
 
 

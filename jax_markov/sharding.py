@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import arguments, primitive
-from .reference import markov_bias, scan_steps, spec_argmax, step_scorer
+from .reference import ROW_BITS, lookup_rows, markov_bias, scan_steps, spec_argmax, step_scorer
 from .result import WalkResult, to_result
 
 LAYOUTS = ("batch", "vocab", "replicated")
@@ -198,20 +198,18 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
         columns = offset + jnp.arange(v_local, dtype=jnp.int32)  # global column index
         scores = step_scorer(columns, temperature, key, position, params)
         w1_rows = w1.shape[0]
-        w1_bits = lax.bitcast_convert_type(w1, jnp.uint16 if w1.dtype.itemsize == 2 else jnp.uint32)
         v_target = w1_rows * (n_vocab if w1_sharded else 1)
 
         def embed(prev):
             idx = jnp.clip(prev, 0, v_target - 1)
-            # Rows are looked up as raw bits: gathering W1 itself lets XLA widen all of W1 to float32
-            # once per call (the convert hoisted out of the K-step loop) instead of the B rows it
-            # needs, tens of MiB of memory traffic per device for a real vocabulary.
             if not w1_sharded:
-                return lax.bitcast_convert_type(w1_bits[idx], w1.dtype)
-            # The owner of row idx contributes its bits, everyone else zeros: an integer psum is exact.
+                return lookup_rows(w1, idx)
+            # The owner of row idx contributes its row's bits, everyone else zeros: an integer psum
+            # is exact.
             local = idx - shard * w1_rows
             mine = (local >= 0) & (local < w1_rows)
-            bits = w1_bits[jnp.clip(local, 0, w1_rows - 1)]
+            rows = lookup_rows(w1, jnp.clip(local, 0, w1_rows - 1))
+            bits = lax.bitcast_convert_type(rows, ROW_BITS[w1.dtype.itemsize])
             bits = lax.psum(jnp.where(mine[:, None], bits, jnp.zeros_like(bits)), vocab_axes)
             return lax.bitcast_convert_type(bits, w1.dtype)
 
