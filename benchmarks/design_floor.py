@@ -61,13 +61,14 @@ def measure(device=None) -> dict | None:
 
 
 def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, out_bytes: int, sm_count: int,
-                    smem_per_block: int) -> dict:
+                    smem_per_block: int, w2_element_bytes: int = 1) -> dict:
     """Bytes floor and design floor of one walk in microseconds, with the parts of the design floor
     (the formula of the module docstring). `constants` is what `measure` returns; base_bytes and
-    out_bytes are the bytes of the base logits and of the outputs."""
+    out_bytes are the bytes of the base logits and of the outputs. w2_element_bytes = 2 is the
+    unquantized (fp16/bf16) walk: twice the W2 bytes and no scales."""
     c = constants
-    w2_bytes = V * RANK
-    head_bytes = w2_bytes + 4 * V
+    w2_bytes = V * RANK * w2_element_bytes
+    head_bytes = w2_bytes + (4 * V if w2_element_bytes == 1 else 0)
     smem_share = min(w2_bytes, sm_count * (smem_per_block - FIXED_SMEM_BYTES))
     l2_share = w2_bytes - smem_share
     smem_pass = smem_share / c["smem_read_bytes_per_s"]

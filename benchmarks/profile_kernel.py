@@ -1,7 +1,7 @@
 """Runs the kernel a few times per configuration, for a profiler to capture (ncu, compute-sanitizer).
 
     ncu --clock-control none --kernel-name regex:MarkovWalk --metrics gpu__time_duration.sum \
-        python3 benchmarks/profile_kernel.py 151936,7,1,greedy 151936,7,64,probabilistic
+        python3 benchmarks/profile_kernel.py 151936,7,1,greedy 151936,7,64,probabilistic 151936,7,1,greedy,bf16
     compute-sanitizer --tool memcheck python3 benchmarks/profile_kernel.py 5003,3,3,probabilistic
 """
 from __future__ import annotations
@@ -15,11 +15,13 @@ import numpy as np
 import jax_markov as jm
 
 
-def run(vocab: int, steps: int, batch: int, mode: str, calls: int = 3) -> None:
+def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
+    """`calls` chained walks of one configuration; head_format "int8" (quantized) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
-    head = jm.quantize(jm.MarkovHead(w1, w2))
+    head = jm.MarkovHead(w1, w2)
+    head = jm.quantize(head) if head_format == "int8" else head
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = {}
@@ -31,10 +33,15 @@ def run(vocab: int, steps: int, batch: int, mode: str, calls: int = 3) -> None:
         out = f(base, anchor)
         anchor = out.tokens[:, -1]
     jax.block_until_ready(out)
-    print(f"V={vocab} K={steps} B={batch} {mode}: tokens[0] = {np.asarray(out.tokens[0]).tolist()}")
+    print(f"V={vocab} K={steps} B={batch} {mode} {head_format}: tokens[0] = {np.asarray(out.tokens[0]).tolist()}")
+
+
+def parse(spec: str) -> tuple:
+    """"V,K,B,mode[,head]" -> (V, K, B, mode, head_format)."""
+    parts = spec.split(",")
+    return int(parts[0]), int(parts[1]), int(parts[2]), parts[3], parts[4] if len(parts) > 4 else "int8"
 
 
 if __name__ == "__main__":
     for spec in sys.argv[1:] or ["151936,7,1,greedy"]:
-        v, k, b, mode = spec.split(",")
-        run(int(v), int(k), int(b), mode)
+        run(*parse(spec))

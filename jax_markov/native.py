@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jax_markov_walk"
@@ -30,9 +31,11 @@ if _markov_cuda is not None:
 # The CUDA kernel's envelope (see ffi/cuda/markov_walk.cu).
 CUDA_RANK = 256
 CUDA_MAX_STEPS = 16
-# One launch walks up to 64 fp16 columns: a request each, two with fp32 W1 (hi and lo parts).
-# Wider batches walk in chunks of that many columns, one launch each.
+# One launch walks up to 64 B columns: a request each, two (hi and lo parts) where the MMA format
+# holds fewer bits than W1 (see `cuda_columns_per_request`). Wider batches walk in chunks of that
+# many columns, one launch each.
 CUDA_LAUNCH_COLUMNS = 64
+CUDA_W2_DTYPES = (np.dtype(np.int8), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 CUDA_MIN_CAPABILITY = (9, 0)
 # Where no GPU can be asked (lowering for "cuda" on a CPU-only machine): an H100/H200.
 _ASSUMED_GPU = {"sm_count": 132, "smem_per_block": 232448, "l2_bytes": 50 * 2**20, "major": 9, "minor": 0,
@@ -58,14 +61,25 @@ def _gpu_properties() -> dict:
     return dict(_markov_cuda.device_properties(gpus[0].local_hardware_id))
 
 
+def cuda_columns_per_request(w1_dtype, w2_dtype) -> int:
+    """B columns per request: int8 and fp16 W2 score with fp16 MMAs, which hold bf16/fp16 W1 rows
+    (scaled) but need hi + lo parts for fp32; bf16 W2 scores with bf16 MMAs, which need them for
+    fp16 and fp32 W1."""
+    w1_dtype = np.dtype(w1_dtype)
+    if np.dtype(w2_dtype) == np.dtype(jnp.bfloat16):
+        return 1 if w1_dtype == np.dtype(jnp.bfloat16) else 2
+    return 2 if w1_dtype == np.dtype(np.float32) else 1
+
+
 def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:
     """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can. Where it
-    can, it is also the fastest walk of an int8 head (benchmarks/results/h200.md: faster than the
-    jitted int8 reference at every measured batch), so impl="auto" takes it."""
+    can, it is also the fastest walk (benchmarks/results/h200.md: faster than the jitted reference
+    with the same head at every measured row), so impl="auto" takes it."""
     if _markov_cuda is None:
         return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
-    if np.dtype(w2_dtype) != np.int8:
-        return "the CUDA kernel walks an int8 W2: pass jax_markov.quantize(head)"
+    if np.dtype(w2_dtype) not in CUDA_W2_DTYPES:
+        return (f"the CUDA kernel walks an int8 (jax_markov.quantize), float16 or bfloat16 W2, "
+                f"got {np.dtype(w2_dtype).name}")
     props = _gpu_properties()
     if (props["major"], props["minor"]) < CUDA_MIN_CAPABILITY or props["major"] != 9:
         return f"the CUDA kernel needs an sm_90 GPU, this one is sm_{props['major']}{props['minor']}"
@@ -75,7 +89,11 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
         return f"the CUDA kernel needs rank r = {CUDA_RANK}, got {rank}"
     if steps > CUDA_MAX_STEPS:
         return f"the CUDA kernel walks at most K = {CUDA_MAX_STEPS} steps, got {steps}"
-    columns = min(CUDA_LAUNCH_COLUMNS, batch * (2 if np.dtype(w1_dtype) == np.float32 else 1))
+    if np.dtype(w2_dtype) != np.int8:
+        # A float W2 that the chip does not hold streams from L2 and HBM each step, still well
+        # ahead of the reference, which reads all of it from HBM each step.
+        return None
+    columns = min(CUDA_LAUNCH_COLUMNS, batch * cuda_columns_per_request(w1_dtype, w2_dtype))
     n_tiles = 1 << max(0, (columns - 1) // 8).bit_length()  # B fragments: 4 KB per 8 columns
     shared_bytes = props["sm_count"] * (props["smem_per_block"] - 4096 * (n_tiles + 1))
     streamed = vocab * rank - shared_bytes

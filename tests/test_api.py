@@ -423,9 +423,9 @@ def test_typed_and_raw_keys_same_tokens(setup):
 CUSTOM_CALL = "custom_call @jax_markov_walk"
 
 
-def _lowered_text(platform, impl, rank=native.CUDA_RANK, quantized=True):
+def _lowered_text(platform, impl, rank=native.CUDA_RANK, quantized=True, w2_dtype=jnp.bfloat16):
     rng = np.random.default_rng(1)
-    head = MarkovHead(jnp.asarray(rng.normal(size=(V, rank)), jnp.bfloat16), jnp.asarray(rng.normal(size=(V, rank)), jnp.bfloat16))
+    head = MarkovHead(jnp.asarray(rng.normal(size=(V, rank)), jnp.bfloat16), jnp.asarray(rng.normal(size=(V, rank)), w2_dtype))
     head = jax_markov.quantize(head) if quantized else head
     args = (jnp.asarray(rng.normal(size=(B, K, V)), jnp.bfloat16), jnp.arange(B, dtype=jnp.int32), head,
             jnp.ones((B,), jnp.float32), jax.random.split(jax.random.key(0), B), jnp.zeros((B,), jnp.int32))
@@ -450,6 +450,22 @@ def test_lowering_for_cuda_on_cpu_machine():
     # outside the kernel's envelope (rank != 256), "auto" falls back to the reference loop
     small = _lowered_text("cuda", "auto", rank=R)
     assert CUSTOM_CALL not in small and "stablehlo.while" in small
+
+
+def test_lowering_float_heads_for_cuda():
+    """fp16 and bf16 heads walk in the kernel unquantized; an fp32 W2 falls back to the reference
+    (impl="ffi" names the formats the kernel walks)."""
+    if not native.cuda_available():
+        pytest.skip("the CUDA module is not built")
+    for w2_dtype in (jnp.bfloat16, jnp.float16):
+        assert CUSTOM_CALL in _lowered_text("cuda", "auto", quantized=False, w2_dtype=w2_dtype)
+    f32 = _lowered_text("cuda", "auto", quantized=False, w2_dtype=jnp.float32)
+    assert CUSTOM_CALL not in f32 and "stablehlo.while" in f32
+    with pytest.raises(ValueError, match="float16 or bfloat16 W2, got float32"):
+        _lowered_text("cuda", "ffi", quantized=False, w2_dtype=jnp.float32)
+    assert native.cuda_columns_per_request(jnp.float16, jnp.bfloat16) == 2
+    assert native.cuda_columns_per_request(jnp.float16, jnp.int8) == 1
+    assert native.cuda_columns_per_request(jnp.float32, jnp.float16) == 2
 
 
 def test_lowering_ffi_for_cuda():

@@ -1,4 +1,5 @@
-"""The sm_90 kernel against the int8 reference, on the GPU (skipped cleanly without one).
+"""The sm_90 kernel against the reference with the same head (int8, or unquantized fp16/bf16 W2),
+on the GPU (skipped cleanly without one).
 
 Tolerances: a token may differ from the reference only at a near-tie, where the reference's best
 score and its score of the kernel's token differ by at most NEAR_TIE * (1 + |best|); after such a
@@ -34,11 +35,13 @@ MAX_NEAR_TIE_ROWS_NARROW = 0.3
 
 
 def make_case(rng, batch, steps, vocab, *, v_target=None, base_dtype=jnp.bfloat16, w1_dtype=jnp.bfloat16,
-              sampled=False, mixed=False):
+              w2_dtype=jnp.int8, sampled=False, mixed=False):
+    """Inputs of one walk; w2_dtype int8 quantizes a bf16 W2, fp16/bf16 keeps the head unquantized."""
     v_target = v_target or vocab
     w1 = (rng.standard_normal((v_target, 256)) * 0.05).astype(np.float32)
     w2 = (rng.standard_normal((vocab, 256)) * 0.05 * rng.uniform(0.5, 2.0, (vocab, 1))).astype(np.float32)
-    head = jm.quantize(jm.MarkovHead(jnp.asarray(w1, w1_dtype), jnp.asarray(w2, jnp.bfloat16)))
+    head = jm.MarkovHead(jnp.asarray(w1, w1_dtype), jnp.asarray(w2, jnp.bfloat16 if w2_dtype == jnp.int8 else w2_dtype))
+    head = jm.quantize(head) if w2_dtype == jnp.int8 else head
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab)) * 2.0, base_dtype)
     anchor = jnp.asarray(rng.integers(0, v_target, batch), jnp.int32)
     kw = {}
@@ -111,6 +114,28 @@ def test_parity_dtypes(check_parity, base_dtype, w1_dtype):
 def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
     rng = np.random.default_rng(17 + batch)
     base, anchor, head, kw = make_case(rng, batch, 6, 30011, v_target=30500, w1_dtype=w1_dtype, mixed=True)
+    check_parity(base, anchor, head, kw)
+
+
+# The unquantized walk: fp16 W2 scores with fp16 MMAs, bf16 W2 with bf16 MMAs (fp16 and fp32 W1 in
+# hi + lo columns), every W1 dtype, batches across the n-tile widths and beyond one launch.
+@pytest.mark.parametrize("w2_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("w1_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("batch", [1, 5, 20, 40])
+def test_parity_float_head(check_parity, w2_dtype, w1_dtype, batch):
+    rng = np.random.default_rng(hash((batch, str(w1_dtype), str(w2_dtype))) % 2**32)
+    base, anchor, head, kw = make_case(rng, batch, 5, 30011, v_target=30500, w1_dtype=w1_dtype, w2_dtype=w2_dtype,
+                                       mixed=True)
+    assert head.w2.dtype == w2_dtype
+    check_parity(base, anchor, head, kw)
+
+
+@pytest.mark.parametrize("batch,steps,vocab", [(1, 7, 151936), (16, 7, 151936), (64, 7, 151936), (1, 16, 248320),
+                                               (70, 3, 20011), (1, 7, 270336)])
+@pytest.mark.parametrize("mode", ["greedy", "mixed"])
+def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mode):
+    rng = np.random.default_rng(hash((batch, steps, vocab, mode, "bf16")) % 2**32)
+    base, anchor, head, kw = make_case(rng, batch, steps, vocab, w2_dtype=jnp.bfloat16, mixed=mode == "mixed")
     check_parity(base, anchor, head, kw)
 
 
@@ -218,4 +243,11 @@ def test_outside_envelope_falls_back_or_refuses():
     np.testing.assert_array_equal(np.asarray(auto.tokens),
                                   np.asarray(jm.walk(base, anchor, head, impl="reference").tokens))
     with pytest.raises(ValueError, match="K = 16"):
+        jm.walk(base, anchor, head, impl="ffi")
+    # an fp32 W2 is not walked by the kernel
+    base, anchor, head, _ = make_case(rng, 2, 3, 5000, w2_dtype=jnp.float32)
+    auto = jm.walk(base, anchor, head)
+    np.testing.assert_array_equal(np.asarray(auto.tokens),
+                                  np.asarray(jm.walk(base, anchor, head, impl="reference").tokens))
+    with pytest.raises(ValueError, match="float16 or bfloat16 W2, got float32"):
         jm.walk(base, anchor, head, impl="ffi")

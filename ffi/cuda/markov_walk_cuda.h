@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_markov {
@@ -18,6 +20,12 @@ struct DeviceProperties {
 
 // Cached per device ordinal.
 cudaError_t QueryDeviceProperties(int device, DeviceProperties* out);
+
+#ifdef JAX_MARKOV_TIMELINE
+// Timeline builds: the latest launch's stamps (walk_kernel.cuh: kPhases per CTA and step, then the
+// scoring end of every warp), in nanoseconds of %globaltimer; `ctas` is the grid size.
+cudaError_t ReadTimeline(std::vector<unsigned long long>* out, int* ctas);
+#endif
 
 }  // namespace jax_markov
 

@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 
 #include <string>
+#include <vector>
 
 #include "cuda/markov_walk_cuda.h"
 #include "cuda/probes.h"
@@ -49,4 +50,18 @@ NB_MODULE(_markov_cuda, m) {
       },
       nb::arg("ordinal"),
       "Runs the design-floor probes (ffi/cuda/probes.cu) on CUDA device `ordinal` and returns their constants.");
+#ifdef JAX_MARKOV_TIMELINE
+  m.def(
+      "read_timeline",
+      []() {
+        std::vector<unsigned long long> words;
+        int ctas = 0;
+        const cudaError_t err = jax_markov::ReadTimeline(&words, &ctas);
+        if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
+        nb::list stamps;
+        for (unsigned long long w : words) stamps.append(w);
+        return nb::make_tuple(ctas, stamps);
+      },
+      "Timeline builds only: (grid size, the latest launch's %globaltimer stamps), see benchmarks/timeline.py.");
+#endif
 }

@@ -1,0 +1,111 @@
+"""Where a step of the kernel's walk goes: a per-phase timeline of every CTA and step.
+
+Needs the timeline build of the CUDA module, in which thread 0 of each CTA stamps %globaltimer at
+every phase of every step and lane 0 of each warp when its tiles are scored:
+
+    cmake -S . -B /tmp/tl -G Ninja -DJAX_MARKOV_TIMELINE=ON -DPython_EXECUTABLE=$(which python3) \\
+        && ninja -C /tmp/tl _markov_cuda _markov_cpu && cp /tmp/tl/_markov_*.so jax_markov/
+    python3 benchmarks/timeline.py --out benchmarks/results/h200_timeline 151936,7,1,greedy
+
+Phases of step k, per CTA (medians over CTAs, in us):
+  issue    the next step's loads that do not depend on the choice (k = 0: the kernel's setup and
+           the loads of the resident W2 tiles issued)
+  wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier
+  e ready  the chosen token's key, its W1 row and the B fragments built from it
+  score    the CTA's tiles scored and reduced to one key per request
+  publish  the keys published and the arrival counted
+and across CTAs: `arrival spread` (last CTA's arrival minus the median arrival) and `release`
+(the last arrival to the median CTA's end of wait at the next step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import numpy as np
+
+import profile_kernel
+from jax_markov import native
+
+PHASES = 6  # walk_kernel.cuh: kPhases
+MAX_STEPS = 16  # kMaxSteps
+MAX_WARPS = 12  # kMaxWarps
+COLUMNS = ("issue", "wait", "e ready", "score", "publish")
+
+
+def read_stamps():
+    ctas, words = native._markov_cuda.read_timeline()
+    words = np.asarray(words, np.int64)
+    phase_words = ctas * (MAX_STEPS + 1) * PHASES
+    phases = words[:phase_words].reshape(ctas, MAX_STEPS + 1, PHASES)
+    warps = words[phase_words:].reshape(ctas, MAX_STEPS, MAX_WARPS)
+    return phases, warps
+
+
+def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
+    """One dict per step (the COLUMNS' medians and the spreads, in us) and the kernel's totals."""
+    start = phases[:, 0, 0].min()
+    us = lambda x: float(x) / 1e3
+    rows = []
+    for k in range(steps):
+        s = phases[:, k, :]
+        durations = [np.median(s[:, p + 1] - s[:, p]) for p in range(5)]
+        arrival = s[:, 5]
+        spread = arrival.max() - np.median(arrival)
+        release = np.median(phases[:, k + 1, 2]) - arrival.max()
+        step_len = np.median(phases[:, k + 1, 2] - (s[:, 2] if k > 0 else s[:, 0]))
+        w = warps[:, k, :]
+        valid = w >= s[:, 3:4]
+        first = np.where(valid, w, np.iinfo(np.int64).max).min(axis=1)
+        last = np.where(valid, w, 0).max(axis=1)
+        warp_spread = np.median(last - first)
+        rows.append(dict(zip(COLUMNS, map(us, durations)), step=k, warp_spread=us(warp_spread),
+                         arrival_spread=us(spread), release=us(release), total=us(step_len)))
+    end = phases[:, steps, 3].max()
+    totals = dict(kernel_us=us(end - start),
+                  launch_skew_us=us(phases[:, 0, 0].max() - start))
+    return rows, totals
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="*", default=["151936,7,1,greedy"],
+                   help="V,K,B,mode[,head] with mode greedy|probabilistic and head int8 (default) or bf16")
+    p.add_argument("--out", default=None, help="output prefix: writes <out>.md and <out>.json")
+    args = p.parse_args(argv)
+    if native._markov_cuda is None or not hasattr(native._markov_cuda, "read_timeline"):
+        sys.exit("needs the timeline build of the CUDA module (cmake -DJAX_MARKOV_TIMELINE=ON), see the docstring")
+    lines = ["# Kernel timeline (benchmarks/timeline.py)", "",
+             f"- command: `python3 {' '.join(sys.argv)}`", f"- GPU: {jax.devices()[0].device_kind}",
+             f"- jax {jax.__version__}", "- the timeline build's stamps cost a few ns each; medians over CTAs, us", ""]
+    results = []
+    for spec in args.configs:
+        vocab, steps, batch, mode, head_format = profile_kernel.parse(spec)
+        profile_kernel.run(vocab, steps, batch, mode, head_format)
+        phases, warps = read_stamps()
+        rows, totals = summarize(phases, warps, steps)
+        results.append(dict(vocab=vocab, steps=steps, batch=batch, mode=mode, head=head_format, steps_us=rows,
+                            **totals))
+        lines += [f"## V={vocab} K={steps} B={batch} {mode}, {head_format} W2 (last of 3 launches; batches over 64 "
+                  f"columns: the last launch)", "",
+                  f"kernel {totals['kernel_us']:.1f} us from the first CTA's start to the last CTA's end; "
+                  f"CTA start skew {totals['launch_skew_us']:.2f} us", "",
+                  "| step | " + " | ".join(COLUMNS) + " | warp spread (score) | arrival spread | release | step |",
+                  "|---|" + "---|" * (len(COLUMNS) + 4)]
+        lines += [f"| {r['step']} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS) +
+                  f" | {r['warp_spread']:.2f} | {r['arrival_spread']:.2f} | {r['release']:.2f} | {r['total']:.2f} |"
+                  for r in rows] + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(dict(command=f"python3 {' '.join(sys.argv)}", gpu=jax.devices()[0].device_kind,
+                           jax=jax.__version__, configs=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,907 @@
+// The cooperative walk kernel (SPEC.md, ffi/README.md), shared by the launch units of each W2 format.
+//
+// Design
+// - One CTA per SM. The vocabulary is cut into tiles of 16 W2 rows (16 x 256 elements: 4 KB in
+//   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
+//   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
+//   steps 1..K-1; the rest stream from L2 every step. Each thread re-reads exactly the bytes it
+//   stored, so no barrier guards them.
+// - Scoring uses tensor cores: mma.m16n8k16 with A = 16 W2 rows (int8 -> fp16 is exact; fp16 and
+//   bf16 rows are used as they are) and B = e = W1[prev] for up to 8 columns per n-tile. e is
+//   scaled by a power of two per request and written in the MMA's format; where that format holds
+//   fewer bits than W1 (fp32 W1, or fp16 W1 against bf16 W2) a request takes two columns (hi + lo
+//   parts). Products are exact and accumulate in fp32. Since a dot product is a sum, the r index is
+//   permuted freely: each thread loads 16 contiguous bytes per chunk and B is laid out to match.
+//   Batches of 1-2 requests with int8 W2 use int8 MMAs on e's digits instead (BuildDigits).
+// - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
+//   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, publishes one atomicMax
+//   per request, then bumps an arrival counter that doubles as the grid barrier. Step k uses its
+//   own slots; the last CTA to leave zeroes slots and counters, so the next call starts clean.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "common/walk_common.h"
+#include "cuda/markov_walk_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_markov {
+namespace walk {
+
+namespace ffi = xla::ffi;
+
+constexpr int kRank = 256;
+constexpr int kTileRows = 16;
+constexpr int kTileElements = kTileRows * kRank;  // 4096
+constexpr int kMaxSteps = 16;
+constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
+constexpr int kMaxStageBytes = 10 * 1024;
+
+enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
+// W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
+// unquantized fp16 / bf16 rows of a MarkovHead.
+enum W2Format : int { kW2Int8 = 0, kW2F16 = 1, kW2BF16 = 2 };
+
+__host__ __device__ constexpr int W2Bytes(int w2) { return w2 == kW2Int8 ? 1 : 2; }
+// 16-byte chunks of a tile that each lane holds: rows g and g + 8, half each.
+__host__ __device__ constexpr int TileChunks(int w2) { return 8 * W2Bytes(w2); }
+
+// Timeline builds (cmake -DJAX_MARKOV_TIMELINE=ON, benchmarks/timeline.py): thread 0 of every CTA
+// stamps %globaltimer at each phase of each step, lane 0 of every warp when its tiles are scored.
+constexpr int kPhases = 6;  // step start, prefetches issued, wait over, e ready, scored, arrived
+constexpr int kMaxWarps = 12;
+
+struct WalkArgs {
+  const void* base;  // [B, K, V]
+  const int32_t* anchor;
+  const void* w1;  // [vt, 256]
+  const void* w2;  // [V, 256] int8, fp16 or bf16
+  const float* scale;  // [V] for int8 W2, null for a float W2
+  const float* temperature;
+  const uint32_t* key;  // [B, 2]
+  const int32_t* position;
+  const int32_t* d2t;  // [V] or null
+  int32_t* tokens;  // [B, K]
+  void* logits;  // [B, K, V] or null
+  void* embeds;  // [B, K, 256] or null
+  unsigned long long* slots;  // [kMaxSteps * kMaxBatch], zero on entry and exit
+  unsigned int* counters;  // [2]: arrivals, departures; zero on entry and exit
+  int batch, steps, vocab, v_target, vocab_size;
+  int base_dtype, w1_dtype, logits_dtype;
+  float logit_scale;
+  int tiles_per_cta, resident_tiles;
+  int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
+  unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
+                                 // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
+};
+
+#ifdef JAX_MARKOV_TIMELINE
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+__device__ __forceinline__ void Stamp(const WalkArgs& a, int k, int phase) {
+  if (threadIdx.x == 0) a.timeline[(size_t(blockIdx.x) * (kMaxSteps + 1) + k) * kPhases + phase] = GlobalTimer();
+}
+__device__ __forceinline__ void StampWarp(const WalkArgs& a, int k, int warp) {
+  if ((threadIdx.x & 31) == 0) {
+    a.timeline[size_t(gridDim.x) * (kMaxSteps + 1) * kPhases + (size_t(blockIdx.x) * kMaxSteps + k) * kMaxWarps + warp] =
+        GlobalTimer();
+  }
+}
+#else
+__device__ __forceinline__ void Stamp(const WalkArgs&, int, int) {}
+__device__ __forceinline__ void StampWarp(const WalkArgs&, int, int) {}
+#endif
+
+__device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Stores l in the logits dtype and returns the stored value (the walk chooses from it).
+__device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
+  if (dtype == kF32) {
+    __stcs(static_cast<float*>(p) + i, l);
+    return l;
+  }
+  if (dtype == kBF16) {
+    const __nv_bfloat16 r = __float2bfloat16_rn(l);
+    __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
+    return __bfloat162float(r);
+  }
+  const __half r = __float2half_rn(l);
+  __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
+  return __half2float(r);
+}
+
+// Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
+// 0x64XX is 1024 + XX in fp16, and XX = x + 128, so subtracting 1152 leaves x.
+__device__ __forceinline__ uint32_t Int8PairToHalf2(uint32_t w, uint32_t selector) {
+  const uint32_t h = __byte_perm(w, 0x64646464u, selector);
+  uint32_t out;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(h), "r"(0x64806480u));
+  return out;
+}
+
+// D += A B in fp32 with fp16 (or, BF16, bf16) inputs.
+template <bool BF16 = false>
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d0 + 2^8 d1 + 2^16 d2 from three exact int32 digit sums (each |d| < 2^22, so exact in fp32).
+__device__ __forceinline__ float DigitsToFloat(int d0, int d1, int d2) {
+  return __fmaf_rn(float(d2), 65536.0f, __fmaf_rn(float(d1), 256.0f, float(d0)));
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+__device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// x rounded to fp16 (BF16: bf16), as bits, and that value back as a float.
+template <bool BF16>
+__device__ __forceinline__ unsigned short NarrowBits(float x) {
+  return BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+template <bool BF16>
+__device__ __forceinline__ float WidenBits(unsigned short h) {
+  return BF16 ? __bfloat162float(__ushort_as_bfloat16(h)) : __half2float(__ushort_as_half(h));
+}
+
+// Lane L's 8 elements e[8L .. 8L+7] of request b's W1 row as floats (raw words of W1[prev_b]);
+// writes the embeds row when this CTA owns request b.
+__device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                                 float (&e)[8]) {
+  if (a.w1_dtype == kF32) {
+    const float* f = reinterpret_cast<const float*>(&raw[0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = f[i];
+  } else {
+    const uint32_t words[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned short bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
+      e[i] = a.w1_dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+    }
+  }
+  if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(a.embeds) + (size_t(b) * a.steps + k) * kRank * (a.w1_dtype == kF32 ? 4 : 2));
+    if (a.w1_dtype == kF32) {
+      dst[2 * lane] = raw[0];
+      dst[2 * lane + 1] = raw[1];
+    } else {
+      dst[lane] = raw[0];
+    }
+  }
+}
+
+// The shift that brings the row's largest |e| into [2^(top - 1), 2^top) (at most max_shift; 0 for
+// a zero or non-finite row). Lane 0 records 2^-shift, which undoes it exactly after the dot product.
+__device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_shift, int lane, float* unscale) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  int shift = 0;
+  if (amax > 0.0f && amax <= 3.0e38f) {
+    int exponent;
+    frexpf(amax, &exponent);
+    shift = min(top - exponent, max_shift);
+  }
+  if (lane == 0) *unscale = ldexpf(1.0f, -shift);
+  return shift;
+}
+
+// Small batches (B <= 2) score with int8 tensor cores, with no conversion of W2 at all: e is
+// written as a 24-bit integer E = rint(e * 2^shift) (max |E| in [2^21, 2^22)) in three balanced
+// int8 digits, E = d0 + 2^8 d1 + 2^16 d2, and each digit is its own B column (column 3b + d). The
+// int32 products and sums are exact; only e's bits below 2^-22 of its largest element are lost.
+// Lane L writes digit d of e[8L .. 8L+7] to bytes 8L .. 8L+7 of row 3b + d of `digits` ([8][256]).
+__device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                            int8_t* digits, float* unscale) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const int shift = RowShift(e, 22, 126, lane, unscale + b);
+  uint32_t words[3][2] = {};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float scaled = ldexpf(e[i], shift);
+    int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+      const int digit = d < 2 ? ((v + 128) & 0xFF) - 128 : v;
+      v = (v - digit) >> 8;
+      words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < 3; ++d) {
+    reinterpret_cast<uint2*>(digits + (3 * b + d) * kRank)[lane] = make_uint2(words[d][0], words[d][1]);
+  }
+}
+
+// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B-fragment columns in
+// the MMA's format (fp16, or bf16 against a bf16 W2), writes its embeds row when this CTA owns
+// request b, and records the power-of-two unscale.
+//
+// Where each element of e sits follows the A layout of W2's format. A lane's 4 values of row g at
+// k-step s are r = 16 (4 (s >> 2) + t) + 4 (s & 3) + j for int8 rows (16-byte chunks of 16 values)
+// and r = 8 (4 (s >> 1) + t) + 4 (s & 1) + j for 16-bit rows (chunks of 8 values); values j = 0, 1
+// are MMA k = 2t, 2t + 1 and j = 2, 3 are k = 2t + 8, 2t + 9.
+template <int NT, bool SPLIT, int W2>
+__device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                               uint2* frag, float* unscale) {
+  constexpr bool kBF16 = W2 == kW2BF16;
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  // max|e| in [2^14, 2^15): fp16 then holds 11 significant bits of every element that matters
+  // (bf16's range is fp32's; the same shift does no harm there).
+  const int shift = RowShift(e, 15, 100, lane, unscale + b);
+  unsigned short hi[8], lo[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float x = ldexpf(e[i], shift);
+    hi[i] = NarrowBits<kBF16>(x);
+    lo[i] = SPLIT ? NarrowBits<kBF16>(x - WidenBits<kBF16>(hi[i])) : 0;
+  }
+  const int tt = W2 == kW2Int8 ? (lane >> 1) & 3 : lane & 3;
+#pragma unroll
+  for (int part = 0; part < (SPLIT ? 2 : 1); ++part) {
+    const int column = SPLIT ? 2 * b + part : b;
+    const int nt = column >> 3, cg = column & 7;
+    const unsigned short* h = part ? lo : hi;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int s = W2 == kW2Int8 ? 4 * (lane >> 3) + 2 * (lane & 1) + u : 2 * (lane >> 2) + u;
+      frag[(nt * 16 + s) * 32 + cg * 4 + tt] = make_uint2(uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16),
+                                                          uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16));
+    }
+  }
+}
+
+// Request finished by slot i of thread-in-group t: with SPLIT, n-tile i holds (hi, lo) columns of
+// request 4i + t; otherwise n-tile i / 2 holds requests 8(i / 2) + 2t and 8(i / 2) + 2t + 1.
+// With DIGITS (B <= 2), lane t = 0 finishes request 0 and t = 2 request 1; t = 1, 3 own none.
+template <bool SPLIT, bool DIGITS = false>
+__device__ __forceinline__ int SlotRequest(int i, int t) {
+  if (DIGITS) return t == 0 ? 0 : (t == 2 ? 1 : kMaxBatch);
+  return SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool fill) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most n of this thread's cp.async groups are still in flight (n > 7 waits for 7).
+__device__ __forceinline__ void CpAsyncWaitPending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
+__device__ __forceinline__ float BitsToFloat(uint32_t bits, int dtype) {
+  if (dtype == kF32) return __uint_as_float(bits);
+  if (dtype == kBF16) return __uint_as_float(bits << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+// Chunk i of lane (g, t)'s share of the tile starting at row0: row row0 + g for the first half of
+// the chunks, row0 + g + 8 for the second, chunk 4 (i mod half) + t of that row. Rows past V read
+// row V - 1 instead (their scores are never used).
+template <int W2>
+__device__ __forceinline__ const uint4* TileChunk(const void* w2, int vocab, int row0, int g, int t, int i) {
+  constexpr int kHalf = TileChunks(W2) / 2;
+  const int row = min(row0 + g + (i < kHalf ? 0 : 8), vocab - 1);
+  return reinterpret_cast<const uint4*>(static_cast<const char*>(w2) + size_t(row) * kRank * W2Bytes(W2)) +
+         4 * (i % kHalf) + t;
+}
+
+// Lane (g, t)'s chunks of a tile, from L2: nothing waits for these loads until the tile is scored.
+template <int W2>
+__device__ __forceinline__ void LoadTileGlobal(const void* w2, int vocab, int row0, int g, int t,
+                                               uint4 (&raw)[TileChunks(W2)]) {
+#pragma unroll
+  for (int i = 0; i < TileChunks(W2); ++i) raw[i] = __ldcg(TileChunk<W2>(w2, vocab, row0, g, t, i));
+}
+
+// Starts copying request rows [first_row, first_row + rows) of step k's base logits into `staged`
+// ([B][stage_rows]) with cp.async, as one commit group; every 16-byte chunk is whole (see Launch).
+template <int THREADS>
+__device__ __forceinline__ void StageBaseLogits(const WalkArgs& a, unsigned char* staged, int stage_rows, int first_row,
+                                                int rows, int k) {
+  const int esize = ElementBytes(a.base_dtype);
+  const int chunks = rows * esize / 16;
+  for (int c = threadIdx.x; c < a.batch * chunks; c += THREADS) {
+    const int rq = c / chunks, j = c % chunks;
+    const char* src = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize + 16 * j;
+    CpAsync16(staged + size_t(rq) * stage_rows * esize + 16 * j, src, true);
+  }
+  CpAsyncCommit();
+}
+
+// Asks L2 for step k's base logits of rows [first_row, first_row + rows), all requests: the loads
+// in the scoring loop then wait for L2, not HBM.
+template <int THREADS>
+__device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_row, int rows, int k) {
+  const int esize = ElementBytes(a.base_dtype);
+  const int lines = (rows * esize + 127) / 128 + 1;
+  for (int c = threadIdx.x; c < a.batch * lines; c += THREADS) {
+    const int rq = c / lines, line = c % lines;
+    const char* start = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize;
+    const char* p = start + min(128 * line, rows * esize - 1);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+}
+
+// Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
+// (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
+// of one call issue before any is used.
+template <bool SPLIT, bool DIGITS, int kSlots>
+__device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, int stage_rows,
+                                             int first_row, int k, int row0, int g, int t, uint32_t (&ba)[kSlots],
+                                             uint32_t (&bb)[kSlots]) {
+  const int ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
+  if (a.stage_base) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const int offset = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1) * stage_rows - first_row;
+      if (a.base_dtype == kF32) {
+        ba[i] = reinterpret_cast<const uint32_t*>(staged)[offset + ra];
+        bb[i] = reinterpret_cast<const uint32_t*>(staged)[offset + rb];
+      } else {
+        ba[i] = reinterpret_cast<const unsigned short*>(staged)[offset + ra];
+        bb[i] = reinterpret_cast<const unsigned short*>(staged)[offset + rb];
+      }
+    }
+  } else if (a.base_dtype == kF32) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
+      ba[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + ra);
+      bb[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + rb);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
+      ba[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + ra);
+      bb[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + rb);
+    }
+  }
+}
+
+// Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
+// logits (small batches), then the resident W2 tiles.
+template <int NT>
+struct Smem {
+  static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16;  // + the last-CTA flag
+  static constexpr int kFixedBytes = kFragBytes + kStateBytes;
+};
+
+// Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
+// are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
+// that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
+// streamed tiles spread evenly among its resident ones, starting with one, so each streamed
+// tile's load is issued a few tiles before it is needed (the first one before the step begins).
+template <int kWarps>
+struct WarpTiles {
+  int warp, resident, n_resident, n_streamed;
+  __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
+    const int r = min(resident_tiles, my_tiles);
+    n_resident = w < r ? (r - 1 - w) / kWarps + 1 : 0;
+    const int first_streamed = r + (kWarps - 1 - w);
+    n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarps + 1 : 0;
+  }
+  __device__ int total() const { return n_resident + n_streamed; }
+  __device__ int Local(bool streamed, int i) const {
+    return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
+  }
+  // The position in the warp's order of streamed tile `is` (past the end once all are scored).
+  __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
+};
+
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
+  static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
+  static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
+  constexpr int kWarps = THREADS / 32;
+  constexpr int kChunks = TileChunks(W2);
+  constexpr int kTileBytes = kTileElements * W2Bytes(W2);
+  constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
+  constexpr int kChains = NT == 1 ? 2 : 1;
+  constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
+  // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
+  // cover the latency of fetching them at the start of the tile.
+  constexpr bool kBaseAhead = NT <= 4;
+  // Resident tiles in flight per warp during step 0: 12 warps x 2 x 4 KB per SM cover HBM's latency.
+  constexpr int kLoadAhead = 2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint2* frag = reinterpret_cast<uint2*>(smem);
+  int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
+  int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
+  float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
+  float* inv_t = unscale + kMaxBatch;
+  uint32_t* key0 = reinterpret_cast<uint32_t*>(inv_t + kMaxBatch);
+  uint32_t* key1 = key0 + kMaxBatch;
+  uint32_t* pos = key1 + kMaxBatch;
+  int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
+  float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
+  const int stage_rows = a.tiles_per_cta * kTileRows;
+  unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
+  unsigned char* resident = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int batch = a.batch, steps = a.steps, vocab = a.vocab;
+  const int first_tile = blockIdx.x * a.tiles_per_cta;
+  const int first_row = first_tile * kTileRows;
+  const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
+  const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
+  const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
+  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
+
+  Stamp(a, 0, 0);
+  for (int i = tid; i < Smem<NT>::kFragBytes / 8; i += THREADS) frag[i] = make_uint2(0, 0);
+  for (int b = tid; b < kMaxBatch; b += THREADS) {
+    cta_best[b] = 0;
+    if (b < batch) {
+      prev[b] = a.anchor[b];
+      const float temp = a.temperature[b];
+      inv_t[b] = temp > 0.0f ? 1.0f / temp : 0.0f;
+      key0[b] = a.key[2 * b];
+      key1[b] = a.key[2 * b + 1];
+      pos[b] = static_cast<uint32_t>(a.position[b]);
+    }
+  }
+  // A float W2 has no scales: 1 leaves its dot products as they are.
+  for (int i = tid; i < stage_rows; i += THREADS) {
+    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+  }
+
+  // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
+  // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
+  // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
+  // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
+  const auto LoadResident = [&](int i) {
+    const int j = tiles.Local(false, i), row0 = RowOf(j);
+    uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const bool inside = row0 + g + (c < kChunks / 2 ? 0 : 8) < vocab;
+      CpAsync16(slot + c * 32, TileChunk<W2>(a.w2, vocab, row0, g, t, c), inside);
+    }
+    CpAsyncCommit();
+  };
+  if (a.stage_base && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
+  if (!a.stage_base && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
+  for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
+  uint4 pre[kChunks];
+  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+  // Greedy rows with no logits out take a scoring epilogue without branches.
+  const bool plain = !__syncthreads_or(tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
+
+  Stamp(a, 0, 1);
+  Stamp(a, 0, 2);
+  for (int k = 0; k <= steps; ++k) {
+    if (k > 0) {
+      Stamp(a, k, 0);
+      // Step k's inputs that do not depend on the choice start moving before the wait.
+      if (k < steps && my_tiles > 0) {
+        if (a.stage_base) {
+          StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
+        } else {
+          PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+        }
+        if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+      }
+      // Wait for every CTA's step k-1 key (they arrived at the end of step k-1).
+      Stamp(a, k, 1);
+      if (tid == 0) {
+        const unsigned int target = gridDim.x * k;
+        while (LoadAcquire(&a.counters[0]) < target) {
+        }
+      }
+      __syncthreads();
+      Stamp(a, k, 2);
+    }
+
+    // 1. Step k-1's choices; e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A
+    //    warp reads the keys of kRowsPerPass requests, then their W1 rows, before converting any.
+    for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
+      int row[kRowsPerPass];
+#pragma unroll
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int b = min(first + u * kWarps, batch - 1);
+        if (k == 0) {
+          row[u] = prev[b];
+        } else {
+          const uint32_t token = ArgmaxKeyIndex(__ldcg(&a.slots[(k - 1) * kMaxBatch + b]));
+          row[u] = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
+        }
+      }
+      if (k > 0 && blockIdx.x == 0 && lane == 0) {
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) {
+          const int b = first + u * kWarps;
+          if (b < batch) a.tokens[b * steps + k - 1] = row[u];
+        }
+      }
+      if (k == steps) continue;
+      uint4 w1_raw[kRowsPerPass][2];
+#pragma unroll
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int r = ClampIndex(row[u], a.v_target);
+        if (a.w1_dtype == kF32) {
+          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
+          w1_raw[u][0] = __ldg(src);
+          w1_raw[u][1] = __ldg(src + 1);
+        } else {
+          w1_raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsPerPass; ++u) {
+        const int b = first + u * kWarps;
+        if (b >= batch) break;
+        if constexpr (DIGITS) {
+          BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
+        } else {
+          BuildFragments<NT, SPLIT, W2>(a, b, k, lane, w1_raw[u], frag, unscale);
+        }
+      }
+    }
+    if (k == steps) {
+      Stamp(a, k, 3);
+      break;
+    }
+    // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
+    if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    __syncthreads();
+    Stamp(a, k, 3);
+
+    // 2. Score this warp's tiles; keep the best key per owned request in registers.
+    uint4 digit_frag[4];  // DIGITS: lane (g, t)'s B fragments, column g at k = 64q + 16t .. +15
+    if constexpr (DIGITS) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
+    }
+    unsigned long long best[kSlots];
+    float unscale_of[kSlots];  // each owned request's power-of-two unscale, for the whole step
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      best[i] = 0;
+      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)];
+    }
+    int im = 0, is = 0;
+    int streamed_slot = tiles.StreamedSlot(0);
+    bool next_streamed = streamed_slot == 0;
+    int next_tile = tiles.Local(next_streamed, 0);
+    uint32_t base_a[kSlots], base_b[kSlots];
+    if (kBaseAhead && tiles.total() > 0) {
+      LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
+    }
+    for (int n = 0; n < tiles.total(); ++n) {
+      const int j = next_tile;
+      const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
+      uint4 raw[kChunks];
+      if (next_streamed) {
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) raw[i] = pre[i];
+        ++is;
+        streamed_slot = tiles.StreamedSlot(is);
+        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      } else {
+        if (k == 0) {
+          // Groups committed after tile im's: the tiles up to im + kLoadAhead.
+          if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
+          CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
+        }
+        const uint4* slot = reinterpret_cast<const uint4*>(resident + size_t(j) * kTileBytes) + lane;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) raw[i] = slot[i * 32];
+        ++im;
+      }
+      uint32_t next_a[kSlots], next_b[kSlots];
+      if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
+      if (n + 1 < tiles.total()) {
+        next_streamed = streamed_slot == n + 1;
+        next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
+        if (kBaseAhead) {
+          LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+        }
+      }
+      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+
+      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
+      float dot_a[kSlots], dot_b[kSlots];
+      if constexpr (DIGITS) {
+        int acc[2][4] = {};
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const int w = 2 * (s & 1);
+          Imma16832(acc[s & 1], Word(raw[s >> 1], w), Word(raw[4 + (s >> 1)], w), Word(raw[s >> 1], w + 1),
+                    Word(raw[4 + (s >> 1)], w + 1), Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+        }
+        int c[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+        // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+        // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+        const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+        const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+        const bool first = t == 0;
+        dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+        dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+      } else {
+        // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
+        float acc[kChains * NT][4];
+#pragma unroll
+        for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 16; ++s) {
+          uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
+          if constexpr (W2 == kW2Int8) {
+            const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
+            const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
+            a0 = Int8PairToHalf2(wa, 0x4140);
+            a1 = Int8PairToHalf2(wb, 0x4140);
+            a2 = Int8PairToHalf2(wa, 0x4342);
+            a3 = Int8PairToHalf2(wb, 0x4342);
+          } else {
+            const int w = 2 * (s & 1);
+            a0 = Word(raw[s >> 1], w);
+            a1 = Word(raw[8 + (s >> 1)], w);
+            a2 = Word(raw[s >> 1], w + 1);
+            a3 = Word(raw[8 + (s >> 1)], w + 1);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
+            Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
+          }
+        }
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+          dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+          dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
+        }
+      }
+
+      if (plain) {
+        // Greedy rows and no logits out: l_k and its key, with no branches.
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            const float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            const unsigned long long packed = owned && row < vocab ? PackArgmaxKey(l, uint32_t(row)) : 0ull;
+            best[i] = packed > best[i] ? packed : best[i];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+          if (rq >= batch) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            if (row >= vocab) continue;
+            const size_t index = (size_t(rq) * steps + k) * vocab + row;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
+            float score = l;
+            if (inv_t[rq] > 0.0f) {
+              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+            }
+            const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+            best[i] = packed > best[i] ? packed : best[i];
+          }
+        }
+      }
+      if (kBaseAhead) {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          base_a[i] = next_a[i];
+          base_b[i] = next_b[i];
+        }
+      }
+    }
+
+    StampWarp(a, k, warp);
+
+    // 3. Reduce over the 8 lanes that share t, then across warps in shared memory.
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+#pragma unroll
+      for (int m = 4; m < 32; m <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
+        best[i] = other > best[i] ? other : best[i];
+      }
+      const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+      if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+    }
+    __syncthreads();
+    Stamp(a, k, 4);
+
+    // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
+    //    its prefetches are issued.
+    if (tid < batch) {
+      const unsigned long long mine = cta_best[tid];
+      if (mine != 0) {
+        atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+        // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
+        const uint32_t token = ArgmaxKeyIndex(mine);
+        if (a.d2t == nullptr && k + 1 < steps) {
+          const char* row = static_cast<const char*>(a.w1) + size_t(ClampIndex(token, a.v_target)) * kRank * ElementBytes(a.w1_dtype);
+          for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + line));
+          }
+        }
+      }
+      cta_best[tid] = 0;
+    }
+    __syncthreads();
+    // Release: the key above (ordered before this by the CTA barrier) is visible to whoever acquires
+    // the count.
+    if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
+    Stamp(a, k, 5);
+  }
+
+  // The last CTA out leaves the workspace zeroed for the next call on this stream.
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    *last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (*last_out) {
+    for (int i = tid; i < kMaxSteps * kMaxBatch; i += THREADS) a.slots[i] = 0;
+    if (tid == 0) {
+      a.counters[0] = 0;
+      a.counters[1] = 0;
+    }
+  }
+}
+// ---------------------------------------------------------------------------------------------
+// Host side: one launch of up to kMaxBatch columns.
+
+inline ffi::Error CudaError(const char* what, cudaError_t err) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_markov CUDA walk: ") + what + ": " + cudaGetErrorString(err));
+}
+
+inline ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
+}
+
+template <int NT, bool SPLIT, bool DIGITS, int W2>
+ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
+  // 12 warps where registers allow; 16-bit W2 tiles hold twice the registers per lane.
+  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 384 : 256;
+  constexpr int kTileBytes = kTileElements * W2Bytes(W2);
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads>;
+  const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
+  const int grid = props.sm_count;
+  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
+  const int rows_per_cta = args.tiles_per_cta * kTileRows;
+  // Small batches stage each step's base logits in shared memory (one bulk copy per step, issued
+  // before the grid-wide wait), at the price of a few resident W2 tiles.
+  const int esize = args.base_dtype == kF32 ? 4 : 2;
+  const int stage_bytes = args.batch * rows_per_cta * esize;
+  args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0);
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
+  if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
+  const int smem = fixed + args.resident_tiles * kTileBytes;
+  // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
+  // SM, once per device: these calls cost host time on every launch otherwise.
+  static std::mutex mu;
+  static std::map<int, cudaError_t> prepared;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = prepared.find(device);
+    if (it == prepared.end()) {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
+      int per_sm = 0;
+      if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, props.smem_per_block);
+      if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
+      it = prepared.emplace(device, err).first;
+    }
+    if (it->second != cudaSuccess) return CudaError("preparing the kernel", it->second);
+  }
+  void* params[] = {&args};
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
+  if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel", err);
+  return ffi::Error::Success();
+}
+
+// One launch for `columns` B columns (a request each; two with SPLIT) of W2 format W2. Each
+// format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
+template <int W2>
+ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
+                            const WalkArgs& args) {
+  if constexpr (W2 == kW2Int8) {
+    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args);
+  }
+  if (split) {
+    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args);
+    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args);
+    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args);
+    return Launch<8, true, false, W2>(stream, device, props, args);
+  }
+  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args);
+  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args);
+  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args);
+  return Launch<8, false, false, W2>(stream, device, props, args);
+}
+
+extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                     const WalkArgs&);
+extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                    const WalkArgs&);
+extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                     const WalkArgs&);
+
+}  // namespace walk
+}  // namespace jax_markov

@@ -1,0 +1,10 @@
+// The walk kernel's instantiations for f16 W2 (see walk_kernel.cuh).
+#include "cuda/walk_kernel.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&, const WalkArgs&);
+
+}  // namespace walk
+}  // namespace jax_markov
