@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
 import jax
@@ -77,9 +79,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if native._markov_cuda is None or not hasattr(native._markov_cuda, "read_timeline"):
         sys.exit("needs the timeline build of the CUDA module (cmake -DJAX_MARKOV_TIMELINE=ON), see the docstring")
+    commit = os.environ.get("JAX_MARKOV_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     lines = ["# Kernel timeline (benchmarks/timeline.py)", "",
              f"- command: `python3 {' '.join(sys.argv)}`", f"- GPU: {jax.devices()[0].device_kind}",
-             f"- jax {jax.__version__}", "- the timeline build's stamps cost a few ns each; medians over CTAs, us", ""]
+             f"- jax {jax.__version__}", f"- commit: {commit}",
+             "- the timeline build's stamps cost a few ns each; medians over CTAs, us", ""]
     results = []
     for spec in args.configs:
         vocab, steps, batch, mode, head_format = profile_kernel.parse(spec)
@@ -104,7 +109,7 @@ def main(argv=None):
             f.write(text + "\n")
         with open(args.out + ".json", "w") as f:
             json.dump(dict(command=f"python3 {' '.join(sys.argv)}", gpu=jax.devices()[0].device_kind,
-                           jax=jax.__version__, configs=results), f, indent=1)
+                           jax=jax.__version__, commit=commit, configs=results), f, indent=1)
 
 
 if __name__ == "__main__":
