@@ -36,6 +36,10 @@ CUDA_MAX_STEPS = 16
 # many columns, one launch each.
 CUDA_LAUNCH_COLUMNS = 64
 CUDA_W2_DTYPES = (np.dtype(np.int8), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+# Above this batch the unquantized walk loses to the reference's GEMMs (benchmarks/results/h200.md:
+# the bf16-head kernel against the eager walk is 1.1-1.5x at B <= 16 and 0.5-0.9x at B >= 64), so
+# impl="auto" takes the reference there; impl="ffi" still runs the kernel.
+CUDA_FLOAT_W2_AUTO_MAX_BATCH = 16
 CUDA_MIN_CAPABILITY = (9, 0)
 # Where no GPU can be asked (lowering for "cuda" on a CPU-only machine): an H100/H200.
 _ASSUMED_GPU = {"sm_count": 132, "smem_per_block": 232448, "l2_bytes": 50 * 2**20, "major": 9, "minor": 0,
@@ -72,9 +76,8 @@ def cuda_columns_per_request(w1_dtype, w2_dtype) -> int:
 
 
 def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:
-    """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can. Where it
-    can, it is also the fastest walk (benchmarks/results/h200.md: faster than the jitted reference
-    with the same head at every measured row), so impl="auto" takes it."""
+    """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can (see
+    `cuda_auto_declines` for where impl="auto" prefers the reference although it can)."""
     if _markov_cuda is None:
         return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
     if np.dtype(w2_dtype) not in CUDA_W2_DTYPES:
@@ -100,4 +103,14 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
     if streamed > 0.75 * props["l2_bytes"]:
         return (f"V = {vocab} is too large for this GPU: {streamed / 2**20:.0f} MiB of int8 W2 would not fit in "
                 f"shared memory and would not stay in its {props['l2_bytes'] / 2**20:.0f} MiB L2")
+    return None
+
+
+def cuda_auto_declines(batch: int, w2_dtype) -> str | None:
+    """Why impl="auto" walks on the reference although the kernel could run, or None. The int8
+    kernel was faster than the jitted int8 reference at every measured row; the unquantized one
+    only up to CUDA_FLOAT_W2_AUTO_MAX_BATCH requests."""
+    if np.dtype(w2_dtype) != np.int8 and batch > CUDA_FLOAT_W2_AUTO_MAX_BATCH:
+        return (f"B = {batch} > {CUDA_FLOAT_W2_AUTO_MAX_BATCH} with an unquantized W2: the reference's GEMMs are "
+                "faster there (quantize the head to keep the kernel)")
     return None

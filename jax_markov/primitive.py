@@ -148,7 +148,7 @@ def _cuda_rule(ctx, *args, params):
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
     reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype)
-    if reason is None:
+    if reason is None and (params.impl == "ffi" or native.cuda_auto_declines(batch, w2.dtype) is None):
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":
         raise ValueError(f"impl='ffi' on cuda: {reason}")

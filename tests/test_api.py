@@ -423,12 +423,13 @@ def test_typed_and_raw_keys_same_tokens(setup):
 CUSTOM_CALL = "custom_call @jax_markov_walk"
 
 
-def _lowered_text(platform, impl, rank=native.CUDA_RANK, quantized=True, w2_dtype=jnp.bfloat16):
+def _lowered_text(platform, impl, rank=native.CUDA_RANK, quantized=True, w2_dtype=jnp.bfloat16, batch=B):
     rng = np.random.default_rng(1)
     head = MarkovHead(jnp.asarray(rng.normal(size=(V, rank)), jnp.bfloat16), jnp.asarray(rng.normal(size=(V, rank)), w2_dtype))
     head = jax_markov.quantize(head) if quantized else head
-    args = (jnp.asarray(rng.normal(size=(B, K, V)), jnp.bfloat16), jnp.arange(B, dtype=jnp.int32), head,
-            jnp.ones((B,), jnp.float32), jax.random.split(jax.random.key(0), B), jnp.zeros((B,), jnp.int32))
+    args = (jnp.asarray(rng.normal(size=(batch, K, V)), jnp.bfloat16), jnp.arange(batch, dtype=jnp.int32), head,
+            jnp.ones((batch,), jnp.float32), jax.random.split(jax.random.key(0), batch),
+            jnp.zeros((batch,), jnp.int32))
     f = jax.jit(lambda base, anchor, head, t, key, pos: jax_markov.walk(
         base, anchor, head, temperature=t, key=key, position=pos, return_logits=True, impl=impl))
     return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
@@ -463,6 +464,13 @@ def test_lowering_float_heads_for_cuda():
     assert CUSTOM_CALL not in f32 and "stablehlo.while" in f32
     with pytest.raises(ValueError, match="float16 or bfloat16 W2, got float32"):
         _lowered_text("cuda", "ffi", quantized=False, w2_dtype=jnp.float32)
+    # above CUDA_FLOAT_W2_AUTO_MAX_BATCH requests "auto" walks an unquantized head on the reference,
+    # "ffi" still on the kernel; an int8 head stays on the kernel
+    wide = native.CUDA_FLOAT_W2_AUTO_MAX_BATCH + 1
+    auto_wide = _lowered_text("cuda", "auto", quantized=False, batch=wide)
+    assert CUSTOM_CALL not in auto_wide and "stablehlo.while" in auto_wide
+    assert CUSTOM_CALL in _lowered_text("cuda", "ffi", quantized=False, batch=wide)
+    assert CUSTOM_CALL in _lowered_text("cuda", "auto", quantized=True, batch=wide)
     assert native.cuda_columns_per_request(jnp.float16, jnp.bfloat16) == 2
     assert native.cuda_columns_per_request(jnp.float16, jnp.int8) == 1
     assert native.cuda_columns_per_request(jnp.float32, jnp.float16) == 2

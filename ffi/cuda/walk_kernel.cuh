@@ -323,10 +323,11 @@ __device__ __forceinline__ void CpAsyncWaitPending(int n) {
   }
 }
 
+// Raw bits of a base logit as a float, with selects rather than a jump on the dtype.
 __device__ __forceinline__ float BitsToFloat(uint32_t bits, int dtype) {
-  if (dtype == kF32) return __uint_as_float(bits);
-  if (dtype == kBF16) return __uint_as_float(bits << 16);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  const float half = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  const float wide = __uint_as_float(dtype == kBF16 ? bits << 16 : bits);
+  return dtype == kF16 ? half : wide;
 }
 
 // Chunk i of lane (g, t)'s share of the tile starting at row0: row row0 + g for the first half of
@@ -732,8 +733,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-            const float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            const unsigned long long packed = owned && row < vocab ? PackArgmaxKey(l, uint32_t(row)) : 0ull;
+            const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
+            const float l = row < a.vocab_size ? base + bias : -INFINITY;
+            // The key of every row is computed, then dropped where it does not count: no branch.
+            const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+            const unsigned long long packed = owned && row < vocab ? key : 0ull;
             best[i] = packed > best[i] ? packed : best[i];
           }
         }
