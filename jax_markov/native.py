@@ -36,9 +36,10 @@ CUDA_MAX_STEPS = 16
 # many columns, one launch each.
 CUDA_LAUNCH_COLUMNS = 64
 CUDA_W2_DTYPES = (np.dtype(np.int8), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-# Above this batch the unquantized walk loses to the reference's GEMMs (benchmarks/results/h200.md:
-# the bf16-head kernel against the eager walk is 1.1-1.5x at B <= 16 and 0.5-0.9x at B >= 64), so
-# impl="auto" takes the reference there; impl="ffi" still runs the kernel.
+# Above this batch the unquantized walk stops winning against the reference's GEMMs
+# (benchmarks/results/h200.md of aeb4d5d: the bf16-head kernel against the eager walk is 1.1-1.6x at
+# B <= 16, 0.8-1.2x at B = 64 and below 1x beyond), so impl="auto" takes the reference there;
+# impl="ffi" still runs the kernel.
 CUDA_FLOAT_W2_AUTO_MAX_BATCH = 16
 CUDA_MIN_CAPABILITY = (9, 0)
 # Where no GPU can be asked (lowering for "cuda" on a CPU-only machine): an H100/H200.
