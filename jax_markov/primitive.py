@@ -1,7 +1,8 @@
 """The `markov_walk` primitive: one jaxpr equation for the whole walk, lowered per platform.
 
 cpu  -> the C++ custom call when built, else the reference;
-cuda -> the cooperative sm_90 kernel when the configuration fits it, else the reference;
+cuda -> the cooperative sm_90 kernel when the configuration fits it (for impl="auto" with an
+        unquantized head, up to native.CUDA_FLOAT_W2_AUTO_MAX_BATCH requests), else the reference;
 any other platform -> the reference (`mlir.lower_fun` of reference.walk_operands).
 Under jit on a mesh the custom call is partitioned along the requests (custom_partitioning): each
 device walks its own rows.
