@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# All the GPU evidence of one kernel version in one run on an H100/H200 (about 9 minutes):
+# builds the module and its timeline variant, runs the GPU tests (three shards side by side), the
+# per-phase timeline, the benchmark table, then compute-sanitizer on a small shape.
+#
+#     bash benchmarks/run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]
+#
+# Writes into OUT_DIR: h200_test_cuda.log, h200_timeline.{md,json}, h200.{md,json,png},
+# h200_gpu_timing.log, h200_memcheck.log, h200_racecheck.log (copy them to benchmarks/results/ and
+# logs/ as they are). The commit recorded in the tables is $JAX_MARKOV_COMMIT or git's HEAD.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]}
+shift
+parts=${*:-tests timeline table sanitizers}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+py=$(command -v python3)
+
+build() {  # build DIR [cmake options]: the CPU and CUDA modules
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" -G Ninja -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release "$@" > "$dir.log" 2>&1 &&
+    ninja -C "$dir" _markov_cuda _markov_cpu >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
+}
+build /tmp/jm_build & plain=$!
+timeline=
+if [[ " $parts " == *" timeline "* ]]; then
+  build /tmp/jm_timeline -DJAX_MARKOV_TIMELINE=ON & timeline=$!
+fi
+wait $plain || exit 1
+cp /tmp/jm_build/_markov_*.so jax_markov/
+export PYTHONPATH=$PWD
+
+for part in $parts; do
+  case $part in
+    tests)
+      t=tests/test_cuda.py
+      python3 -m pytest -q -p no:cacheprovider $t -k "benchmark_shapes and not bf16" > /tmp/jm_t1.log 2>&1 &
+      python3 -m pytest -q -p no:cacheprovider $t -k "float_head or bf16" > /tmp/jm_t2.log 2>&1 &
+      python3 -m pytest -q -p no:cacheprovider $t tests/test_design_floor.py \
+        -k "not benchmark_shapes and not float_head and not bf16" > /tmp/jm_t3.log 2>&1 &
+      wait
+      cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log > "$out/h200_test_cuda.log"
+      grep -E "passed|failed" "$out/h200_test_cuda.log"
+      ;;
+    timeline)
+      wait $timeline || continue
+      rm -rf /tmp/jm_tlpkg && mkdir -p /tmp/jm_tlpkg && cp -r jax_markov /tmp/jm_tlpkg/ &&
+        cp /tmp/jm_timeline/_markov_cuda*.so /tmp/jm_tlpkg/jax_markov/
+      (cd benchmarks && PYTHONPATH=/tmp/jm_tlpkg python3 timeline.py --out "$out/h200_timeline" \
+        151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,64,greedy \
+        151936,7,1,greedy,bf16 151936,7,16,greedy,bf16) > /tmp/jm_timeline_run.log 2>&1 ||
+        tail -20 /tmp/jm_timeline_run.log
+      ;;
+    table)
+      python3 benchmarks/gpu_timing.py --out "$out/h200" --repeats 5 > "$out/h200_gpu_timing.log" 2>&1 ||
+        tail -20 "$out/h200_gpu_timing.log"
+      grep -E "kernel \(int8\)" "$out/h200.md"
+      ;;
+    sanitizers)
+      shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16"
+      compute-sanitizer --tool memcheck python3 $shape > "$out/h200_memcheck.log" 2>&1
+      compute-sanitizer --tool racecheck python3 $shape > "$out/h200_racecheck.log" 2>&1
+      tail -n 1 "$out/h200_memcheck.log" "$out/h200_racecheck.log"
+      ;;
+    *) echo "unknown part: $part" >&2; exit 2 ;;
+  esac
+done
