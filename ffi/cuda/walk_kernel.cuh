@@ -631,22 +631,18 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     for (int n = 0; n < tiles.total(); ++n) {
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
-      uint4 raw[kChunks];
-      if (next_streamed) {
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) raw[i] = pre[i];
+      // A streamed tile is scored straight from the prefetch registers and a resident one from
+      // registers loaded from shared memory: two copies of the scoring code, no register copies.
+      const bool streamed = next_streamed;
+      if (streamed) {
         ++is;
         streamed_slot = tiles.StreamedSlot(is);
-        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
       } else {
         if (k == 0) {
           // Groups committed after tile im's: the tiles up to im + kLoadAhead.
           if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
           CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
         }
-        const uint4* slot = reinterpret_cast<const uint4*>(resident + size_t(j) * kTileBytes) + lane;
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) raw[i] = slot[i * 32];
         ++im;
       }
       uint32_t next_a[kSlots], next_b[kSlots];
@@ -658,110 +654,122 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
         }
       }
-      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+      const auto ScoreTile = [&](const uint4 (&raw)[kChunks]) {
+        const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
 
-      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
-      float dot_a[kSlots], dot_b[kSlots];
-      if constexpr (DIGITS) {
-        int acc[2][4] = {};
+        // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
+        float dot_a[kSlots], dot_b[kSlots];
+        if constexpr (DIGITS) {
+          int acc[2][4] = {};
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          const int w = 2 * (s & 1);
-          Imma16832(acc[s & 1], Word(raw[s >> 1], w), Word(raw[4 + (s >> 1)], w), Word(raw[s >> 1], w + 1),
-                    Word(raw[4 + (s >> 1)], w + 1), Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
-        }
-        int c[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
-        // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
-        // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
-        const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
-        const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
-        const bool first = t == 0;
-        dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
-        dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
-      } else {
-        // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
-        float acc[kChains * NT][4];
-#pragma unroll
-        for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < 16; ++s) {
-          uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
-          if constexpr (W2 == kW2Int8) {
-            const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
-            const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
-            a0 = Int8PairToHalf2(wa, 0x4140);
-            a1 = Int8PairToHalf2(wb, 0x4140);
-            a2 = Int8PairToHalf2(wa, 0x4342);
-            a3 = Int8PairToHalf2(wb, 0x4342);
-          } else {
+          for (int s = 0; s < 8; ++s) {
             const int w = 2 * (s & 1);
-            a0 = Word(raw[s >> 1], w);
-            a1 = Word(raw[8 + (s >> 1)], w);
-            a2 = Word(raw[s >> 1], w + 1);
-            a3 = Word(raw[8 + (s >> 1)], w + 1);
+            Imma16832(acc[s & 1], Word(raw[s >> 1], w), Word(raw[4 + (s >> 1)], w), Word(raw[s >> 1], w + 1),
+                      Word(raw[4 + (s >> 1)], w + 1), Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
           }
+          int c[4];
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
-            Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
-          }
-        }
+          for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+          // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+          // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+          const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+          const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+          const bool first = t == 0;
+          dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+          dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+        } else {
+          // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
+          float acc[kChains * NT][4];
 #pragma unroll
-        for (int c = 1; c < kChains; ++c) {
+          for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-          dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
-          dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
-        }
-      }
-
-      if (plain) {
-        // Greedy rows and no logits out: l_k and its key, with no branches.
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = h ? row_b : row_a;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-            const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
-            const float l = row < a.vocab_size ? base + bias : -INFINITY;
-            // The key of every row is computed, then dropped where it does not count: no branch.
-            const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-            const unsigned long long packed = owned && row < vocab ? key : 0ull;
-            best[i] = packed > best[i] ? packed : best[i];
-          }
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
-          if (rq >= batch) continue;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = h ? row_b : row_a;
-            if (row >= vocab) continue;
-            const size_t index = (size_t(rq) * steps + k) * vocab + row;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
-            float score = l;
-            if (inv_t[rq] > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+          for (int s = 0; s < 16; ++s) {
+            uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
+            if constexpr (W2 == kW2Int8) {
+              const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
+              const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
+              a0 = Int8PairToHalf2(wa, 0x4140);
+              a1 = Int8PairToHalf2(wb, 0x4140);
+              a2 = Int8PairToHalf2(wa, 0x4342);
+              a3 = Int8PairToHalf2(wb, 0x4342);
+            } else {
+              const int w = 2 * (s & 1);
+              a0 = Word(raw[s >> 1], w);
+              a1 = Word(raw[8 + (s >> 1)], w);
+              a2 = Word(raw[s >> 1], w + 1);
+              a3 = Word(raw[8 + (s >> 1)], w + 1);
             }
-            const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
-            best[i] = packed > best[i] ? packed : best[i];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
+              Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
+            }
+          }
+#pragma unroll
+          for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+            dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+            dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
           }
         }
+
+        if (plain) {
+          // Greedy rows and no logits out: l_k and its key, with no branches.
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = h ? row_b : row_a;
+              const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+              const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
+              const float l = row < a.vocab_size ? base + bias : -INFINITY;
+              // The key of every row is computed, then dropped where it does not count: no branch.
+              const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+              const unsigned long long packed = owned && row < vocab ? key : 0ull;
+              best[i] = packed > best[i] ? packed : best[i];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+            if (rq >= batch) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = h ? row_b : row_a;
+              if (row >= vocab) continue;
+              const size_t index = (size_t(rq) * steps + k) * vocab + row;
+              const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+              float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+              l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
+              float score = l;
+              if (inv_t[rq] > 0.0f) {
+                score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+              }
+              const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+              best[i] = packed > best[i] ? packed : best[i];
+            }
+          }
+        }
+      };
+      if (streamed) {
+        ScoreTile(pre);
+        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      } else {
+        uint4 raw[kChunks];
+        const uint4* slot = reinterpret_cast<const uint4*>(resident + size_t(j) * kTileBytes) + lane;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) raw[i] = slot[i * 32];
+        ScoreTile(raw);
       }
       if (kBaseAhead) {
 #pragma unroll
