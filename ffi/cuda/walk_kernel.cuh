@@ -722,20 +722,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
 
         if (plain) {
-          // Greedy rows and no logits out: l_k and its key, with no branches.
+          // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
+          // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
+          // V; the slots of requests past the batch are never published.
 #pragma unroll
           for (int i = 0; i < kSlots; ++i) {
-            const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int row = h ? row_b : row_a;
               const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
               const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
               const float l = row < a.vocab_size ? base + bias : -INFINITY;
-              // The key of every row is computed, then dropped where it does not count: no branch.
               const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-              const unsigned long long packed = owned && row < vocab ? key : 0ull;
-              best[i] = packed > best[i] ? packed : best[i];
+              best[i] = key > best[i] ? key : best[i];
             }
           }
         } else {
