@@ -712,18 +712,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
         }
       }
-      // rows_order is a constant at each (inlined) call site.
-      const auto ScoreTile = [&](bool rows_order, const uint4 (&c)[kChunks]) {
-        const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
-
-        // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
-        float dot_a[kSlots], dot_b[kSlots];
+      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled), from
+      // the tile's chunks in row order (rows_order, a constant at each inlined call) or fragment order.
+      float dot_a[kSlots], dot_b[kSlots];
+      const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
         if constexpr (DIGITS) {
           int acc[2][4] = {};
 #pragma unroll
           for (int s = 0; s < 8; ++s) {
             const int w = 2 * (s & 1);
-            const uint4 q = FragmentChunk<W2>(c, s, rows_order);
+            const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
             Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
           }
           int c[4];
@@ -746,7 +744,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
             if constexpr (W2 == kW2Int8) {
               // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
-              const uint4 q = FragmentChunk<W2>(c, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
+              const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
               const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
               const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
               a0 = Int8PairToHalf2(wa, 0x4140);
@@ -754,7 +752,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               a2 = Int8PairToHalf2(wa, 0x4342);
               a3 = Int8PairToHalf2(wb, 0x4342);
             } else {
-              const uint4 q = FragmentChunk<W2>(c, s, rows_order);
+              const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
               a0 = q.x;
               a1 = q.y;
               a2 = q.z;
@@ -781,53 +779,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
           }
         }
-
-        if (plain) {
-          // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
-          // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
-          // V; the slots of requests past the batch are never published.
-#pragma unroll
-          for (int i = 0; i < kSlots; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int row = h ? row_b : row_a;
-              const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-              const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
-              const float l = row < a.vocab_size ? base + bias : -INFINITY;
-              const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-              best[i] = key > best[i] ? key : best[i];
-            }
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < kSlots; ++i) {
-            const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
-            if (rq >= batch) continue;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int row = h ? row_b : row_a;
-              if (row >= vocab) continue;
-              const size_t index = (size_t(rq) * steps + k) * vocab + row;
-              const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-              float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-              l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
-              float score = l;
-              if (inv_t[rq] > 0.0f) {
-                score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
-              }
-              const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
-              best[i] = packed > best[i] ? packed : best[i];
-            }
-          }
-        }
       };
       // A streamed tile is scored straight from the prefetch registers (row order), a resident one
       // in fragment order, as step 0 stored it back after loading it (each lane rewrites only its
-      // own chunks). Two copies of the scoring code: no register copies of the prefetch registers,
-      // no register moves on the resident path. (The int8 -> fp16 conversion takes its words from
-      // anywhere, so that path keeps its resident tiles in row order.)
+      // own chunks). Two copies of the MMA code (no register copies of the prefetch registers, no
+      // register moves on the resident path), one of the epilogue. (The int8 -> fp16 conversion
+      // takes its words from anywhere, so that path keeps its resident tiles in row order.)
       if (streamed) {
-        ScoreTile(true, pre);
+        TileDots(true, pre);
         if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
       } else {
         uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
@@ -841,7 +800,47 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         uint4 q[kChunks];
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
-        ScoreTile(!kFragmentOrder, q);
+        TileDots(!kFragmentOrder, q);
+      }
+
+      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+      if (plain) {
+        // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
+        // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
+        // V; the slots of requests past the batch are never published.
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
+            const float l = row < a.vocab_size ? base + bias : -INFINITY;
+            const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+            best[i] = key > best[i] ? key : best[i];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+          if (rq >= batch) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            if (row >= vocab) continue;
+            const size_t index = (size_t(rq) * steps + k) * vocab + row;
+            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
+            float score = l;
+            if (inv_t[rq] > 0.0f) {
+              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+            }
+            const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+            best[i] = packed > best[i] ? packed : best[i];
+          }
+        }
       }
       if (kBaseAhead) {
 #pragma unroll
