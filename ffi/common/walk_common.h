@@ -57,17 +57,18 @@ MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t posit
 }
 
 // Orders float scores as unsigned integers: larger float -> larger integer, every NaN largest
-// (so the first NaN wins, as jnp.argmax), -0 equal to +0.
+// (so the first NaN wins, as jnp.argmax), -0 equal to +0. Adding +0 turns -0 into +0; one xor
+// then flips all bits of a negative score and only the sign bit of a positive one.
 MARKOV_HD uint32_t OrderedScore(float score) {
+  const float s = score + 0.0f;
   uint32_t bits;
 #if defined(__CUDA_ARCH__)
-  bits = __float_as_uint(score);
+  bits = __float_as_uint(s);
 #else
-  __builtin_memcpy(&bits, &score, sizeof(bits));
+  __builtin_memcpy(&bits, &s, sizeof(bits));
 #endif
-  if (score != score) return 0xFFFFFFFFu;  // NaN
-  if (score == 0.0f) bits = 0;             // -0 ties with +0
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  bits ^= static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u;
+  return s != s ? 0xFFFFFFFFu : bits;
 }
 
 // The argmax key: its integer maximum is the SPEC.md choice (largest score, lowest index on ties).

@@ -36,7 +36,7 @@ cudaError_t GetWorkspace(int device, cudaStream_t stream, Workspace* out) {
     *out = it->second;
     return cudaSuccess;
   }
-  const size_t slot_bytes = sizeof(unsigned long long) * kMaxSteps * kMaxBatch;
+  const size_t slot_bytes = sizeof(unsigned long long) * kSlotWords;
   void* mem = nullptr;
   cudaError_t err = cudaMalloc(&mem, slot_bytes + 2 * sizeof(unsigned int));
   if (err != cudaSuccess) return err;

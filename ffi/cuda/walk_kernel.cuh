@@ -4,8 +4,9 @@
 // - One CTA per SM. The vocabulary is cut into tiles of 16 W2 rows (16 x 256 elements: 4 KB in
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
-//   steps 1..K-1; the rest stream from L2 every step. Each thread re-reads exactly the bytes it
-//   stored, so no barrier guards them.
+//   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
+//   order: one 16-byte load per MMA operand); the rest stream from L2 every step. Each thread
+//   re-reads exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses tensor cores: mma.m16n8k16 with A = 16 W2 rows (int8 -> fp16 is exact; fp16 and
 //   bf16 rows are used as they are) and B = e = W1[prev] for up to 8 columns per n-tile. e is
 //   scaled by a power of two per request and written in the MMA's format; where that format holds
@@ -14,9 +15,12 @@
 //   permuted freely: each thread loads 16 contiguous bytes per chunk and B is laid out to match.
 //   Batches of 1-2 requests with int8 W2 use int8 MMAs on e's digits instead (BuildDigits).
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
-//   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, publishes one atomicMax
-//   per request, then bumps an arrival counter that doubles as the grid barrier. Step k uses its
-//   own slots; the last CTA to leave zeroes slots and counters, so the next call starts clean.
+//   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
+//   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
+//   own and one warp per request waits for all of them to be non-zero and takes their maximum: the
+//   keys are the barrier, one L2 round trip. Larger batches publish one atomicMax per request, then
+//   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots; the last
+//   CTA to leave zeroes slots and counters, so the next call starts clean.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,6 +47,10 @@ constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
+// The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
+constexpr int kDirectBatch = 8;
+constexpr int kDirectMaxCtas = 160;
+constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
@@ -71,7 +79,7 @@ struct WalkArgs {
   int32_t* tokens;  // [B, K]
   void* logits;  // [B, K, V] or null
   void* embeds;  // [B, K, 256] or null
-  unsigned long long* slots;  // [kMaxSteps * kMaxBatch], zero on entry and exit
+  unsigned long long* slots;  // [kSlotWords], zero on entry and exit
   unsigned int* counters;  // [2]: arrivals, departures; zero on entry and exit
   int batch, steps, vocab, v_target, vocab_size;
   int base_dtype, w1_dtype, logits_dtype;
@@ -169,6 +177,33 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
+// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
+__device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
+  constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
+  unsigned long long v[kPerLane];
+  bool ready;
+  do {
+    ready = true;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + 32 * i;
+      v[i] = 1;
+      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
+      ready = ready && v[i] != 0;
+    }
+  } while (!__all_sync(0xffffffffu, ready));
+  unsigned long long best = v[0];
+#pragma unroll
+  for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
+    best = other > best ? other : best;
+  }
+  return best;
 }
 
 // x rounded to fp16 (BF16: bf16), as bits, and that value back as a float.
@@ -349,6 +384,18 @@ __device__ __forceinline__ void LoadTileGlobal(const void* w2, int vocab, int ro
   for (int i = 0; i < TileChunks(W2); ++i) raw[i] = __ldcg(TileChunk<W2>(w2, vocab, row0, g, t, i));
 }
 
+// Chunk j of lane (g, t)'s share of a tile in fragment order: the A-operand words of k-step j,
+// {row g, row g + 8, row g, row g + 8} at words 2 (j & 1) and 2 (j & 1) + 1 of row chunk j / 2, so
+// that one 16-byte register quad is an MMA operand as it stands (no register moves per MMA). From
+// chunks held in row order (ROWS, as loaded from W2) or already in fragment order.
+template <int W2>
+__device__ __forceinline__ uint4 FragmentChunk(const uint4 (&c)[TileChunks(W2)], int j, bool rows) {
+  if (!rows) return c[j];
+  const uint4 ra = c[j >> 1], rb = c[TileChunks(W2) / 2 + (j >> 1)];
+  const int w = 2 * (j & 1);
+  return make_uint4(Word(ra, w), Word(rb, w), Word(ra, w + 1), Word(rb, w + 1));
+}
+
 // Starts copying request rows [first_row, first_row + rows) of step k's base logits into `staged`
 // ([B][stage_rows]) with cp.async, as one commit group; every 16-byte chunk is whole (see Launch).
 template <int THREADS>
@@ -461,6 +508,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kBaseAhead = NT <= 4;
   // Resident tiles in flight per warp during step 0: 12 warps x 2 x 4 KB per SM cover HBM's latency.
   constexpr int kLoadAhead = 2;
+  // Resident tiles in fragment order where MMA operands are tile words as they stand.
+  constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
   extern __shared__ __align__(16) unsigned char smem[];
   uint2* frag = reinterpret_cast<uint2*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
@@ -486,6 +535,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
   const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  // Small batches exchange keys through one slot per CTA (slots[(k * batch + b) * grid + cta]).
+  const bool direct = batch <= kDirectBatch && gridDim.x <= kDirectMaxCtas;
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
@@ -542,14 +593,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
       }
-      // Wait for every CTA's step k-1 key (they arrived at the end of step k-1).
+      // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
+      // exchange waits for the keys themselves below.
       Stamp(a, k, 1);
-      if (tid == 0) {
-        const unsigned int target = gridDim.x * k;
-        while (LoadAcquire(&a.counters[0]) < target) {
+      if (!direct) {
+        if (tid == 0) {
+          const unsigned int target = gridDim.x * k;
+          while (LoadAcquire(&a.counters[0]) < target) {
+          }
         }
+        __syncthreads();
       }
-      __syncthreads();
       Stamp(a, k, 2);
     }
 
@@ -562,8 +616,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const int b = min(first + u * kWarps, batch - 1);
         if (k == 0) {
           row[u] = prev[b];
+        } else if (direct && u > 0) {
+          row[u] = 0;  // with kDirectBatch <= kWarps, a warp walks at most one request
         } else {
-          const uint32_t token = ArgmaxKeyIndex(__ldcg(&a.slots[(k - 1) * kMaxBatch + b]));
+          const uint32_t token =
+              ArgmaxKeyIndex(direct ? GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)
+                                    : __ldcg(&a.slots[(k - 1) * kMaxBatch + b]));
           row[u] = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
         }
       }
@@ -631,22 +689,18 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     for (int n = 0; n < tiles.total(); ++n) {
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
-      uint4 raw[kChunks];
-      if (next_streamed) {
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) raw[i] = pre[i];
+      // A streamed tile is scored straight from the prefetch registers and a resident one from
+      // registers loaded from shared memory: two copies of the scoring code, no register copies.
+      const bool streamed = next_streamed;
+      if (streamed) {
         ++is;
         streamed_slot = tiles.StreamedSlot(is);
-        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
       } else {
         if (k == 0) {
           // Groups committed after tile im's: the tiles up to im + kLoadAhead.
           if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
           CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
         }
-        const uint4* slot = reinterpret_cast<const uint4*>(resident + size_t(j) * kTileBytes) + lane;
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) raw[i] = slot[i * 32];
         ++im;
       }
       uint32_t next_a[kSlots], next_b[kSlots];
@@ -658,87 +712,112 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
         }
       }
-      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
-
-      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled).
+      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled), from
+      // the tile's chunks in row order (rows_order, a constant at each inlined call) or fragment order.
       float dot_a[kSlots], dot_b[kSlots];
-      if constexpr (DIGITS) {
-        int acc[2][4] = {};
+      const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+        if constexpr (DIGITS) {
+          int acc[2][4] = {};
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          const int w = 2 * (s & 1);
-          Imma16832(acc[s & 1], Word(raw[s >> 1], w), Word(raw[4 + (s >> 1)], w), Word(raw[s >> 1], w + 1),
-                    Word(raw[4 + (s >> 1)], w + 1), Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
-        }
-        int c[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
-        // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
-        // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
-        const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
-        const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
-        const bool first = t == 0;
-        dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
-        dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
-      } else {
-        // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
-        float acc[kChains * NT][4];
-#pragma unroll
-        for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < 16; ++s) {
-          uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
-          if constexpr (W2 == kW2Int8) {
-            const uint32_t wa = Word(raw[s >> 2], s & 3) ^ 0x80808080u;
-            const uint32_t wb = Word(raw[4 + (s >> 2)], s & 3) ^ 0x80808080u;
-            a0 = Int8PairToHalf2(wa, 0x4140);
-            a1 = Int8PairToHalf2(wb, 0x4140);
-            a2 = Int8PairToHalf2(wa, 0x4342);
-            a3 = Int8PairToHalf2(wb, 0x4342);
-          } else {
+          for (int s = 0; s < 8; ++s) {
             const int w = 2 * (s & 1);
-            a0 = Word(raw[s >> 1], w);
-            a1 = Word(raw[8 + (s >> 1)], w);
-            a2 = Word(raw[s >> 1], w + 1);
-            a3 = Word(raw[8 + (s >> 1)], w + 1);
+            const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
+            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+          }
+          int c[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+          // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+          // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+          const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+          const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+          const bool first = t == 0;
+          dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+          dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+        } else {
+          // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
+          float acc[kChains * NT][4];
+#pragma unroll
+          for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+          for (int s = 0; s < 16; ++s) {
+            uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
+            if constexpr (W2 == kW2Int8) {
+              // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
+              const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
+              const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
+              const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+              a0 = Int8PairToHalf2(wa, 0x4140);
+              a1 = Int8PairToHalf2(wb, 0x4140);
+              a2 = Int8PairToHalf2(wa, 0x4342);
+              a3 = Int8PairToHalf2(wb, 0x4342);
+            } else {
+              const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
+              a0 = q.x;
+              a1 = q.y;
+              a2 = q.z;
+              a3 = q.w;
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
+              Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
+            }
           }
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
-            Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
+          for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+            dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
+            dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
           }
         }
+      };
+      // A streamed tile is scored straight from the prefetch registers (row order), a resident one
+      // in fragment order, as step 0 stored it back after loading it (each lane rewrites only its
+      // own chunks). Two copies of the MMA code (no register copies of the prefetch registers, no
+      // register moves on the resident path), one of the epilogue. (The int8 -> fp16 conversion
+      // takes its words from anywhere, so that path keeps its resident tiles in row order.)
+      if (streamed) {
+        TileDots(true, pre);
+        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      } else {
+        uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+        if (kFragmentOrder && k == 0) {
+          uint4 rows[kChunks];
 #pragma unroll
-        for (int c = 1; c < kChains; ++c) {
+          for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
-          }
+          for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
         }
+        uint4 q[kChunks];
 #pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-          dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
-          dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
-        }
+        for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+        TileDots(!kFragmentOrder, q);
       }
 
+      const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
       if (plain) {
-        // Greedy rows and no logits out: l_k and its key, with no branches.
+        // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
+        // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
+        // V; the slots of requests past the batch are never published.
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          const bool owned = SlotRequest<SPLIT, DIGITS>(i, t) < batch;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
             const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
-            // The key of every row is computed, then dropped where it does not count: no branch.
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-            const unsigned long long packed = owned && row < vocab ? key : 0ull;
-            best[i] = packed > best[i] ? packed : best[i];
+            best[i] = key > best[i] ? key : best[i];
           }
         }
       } else {
@@ -789,11 +868,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     Stamp(a, k, 4);
 
     // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
-    //    its prefetches are issued.
+    //    its prefetches are issued. A direct slot always gets a key (1: no candidate here).
     if (tid < batch) {
       const unsigned long long mine = cta_best[tid];
+      if (direct) {
+        unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
+      }
       if (mine != 0) {
-        atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+        if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
         // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
         const uint32_t token = ArgmaxKeyIndex(mine);
         if (a.d2t == nullptr && k + 1 < steps) {
@@ -805,10 +888,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       }
       cta_best[tid] = 0;
     }
-    __syncthreads();
-    // Release: the key above (ordered before this by the CTA barrier) is visible to whoever acquires
-    // the count.
-    if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
+    if (!direct) {
+      __syncthreads();
+      // Release: the key above (ordered before this by the CTA barrier) is visible to whoever
+      // acquires the count.
+      if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
+    }
     Stamp(a, k, 5);
   }
 
@@ -821,7 +906,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
   __syncthreads();
   if (*last_out) {
-    for (int i = tid; i < kMaxSteps * kMaxBatch; i += THREADS) a.slots[i] = 0;
+    const int used = direct ? steps * batch * gridDim.x : steps * kMaxBatch;
+    for (int i = tid; i < used; i += THREADS) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
