@@ -6,11 +6,13 @@ every phase of every step and lane 0 of each warp when its tiles are scored:
     cmake -S . -B /tmp/tl -G Ninja -DJAX_MARKOV_TIMELINE=ON -DPython_EXECUTABLE=$(which python3) \\
         && ninja -C /tmp/tl _markov_cuda _markov_cpu && cp /tmp/tl/_markov_*.so jax_markov/
     python3 benchmarks/timeline.py --out benchmarks/results/h200_timeline 151936,7,1,greedy
+    python3 benchmarks/timeline.py --render benchmarks/results/h200_timeline.json  # its .md again
 
 Phases of step k, per CTA (medians over CTAs, in us):
   issue    the next step's loads that do not depend on the choice (k = 0: the kernel's setup and
            the loads of the resident W2 tiles issued)
-  wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier
+  wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier (batches up to
+           8 wait for the keys themselves, in `e ready`)
   e ready  the chosen token's key, its W1 row and the B fragments built from it
   score    the CTA's tiles scored and reduced to one key per request
   publish  the keys published and the arrival counted
@@ -76,15 +78,19 @@ def main(argv=None):
     p.add_argument("configs", nargs="*", default=["151936,7,1,greedy"],
                    help="V,K,B,mode[,head] with mode greedy|probabilistic and head int8 (default) or bf16")
     p.add_argument("--out", default=None, help="output prefix: writes <out>.md and <out>.json")
+    p.add_argument("--render", metavar="JSON", help="only write the .md of a report that --out wrote")
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            report = json.load(f)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(render(report))
+        return
     if native._markov_cuda is None or not hasattr(native._markov_cuda, "read_timeline"):
         sys.exit("needs the timeline build of the CUDA module (cmake -DJAX_MARKOV_TIMELINE=ON), see the docstring")
     commit = os.environ.get("JAX_MARKOV_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    lines = ["# Kernel timeline (benchmarks/timeline.py)", "",
-             f"- command: `python3 {' '.join(sys.argv)}`", f"- GPU: {jax.devices()[0].device_kind}",
-             f"- jax {jax.__version__}", f"- commit: {commit}",
-             "- the timeline build's stamps cost a few ns each; medians over CTAs, us", ""]
+    command = f"python3 {' '.join(sys.argv)}"
     results = []
     for spec in args.configs:
         vocab, steps, batch, mode, head_format = profile_kernel.parse(spec)
@@ -93,24 +99,34 @@ def main(argv=None):
         rows, totals = summarize(phases, warps, steps)
         results.append(dict(vocab=vocab, steps=steps, batch=batch, mode=mode, head=head_format, steps_us=rows,
                             **totals))
-        lines += [f"## V={vocab} K={steps} B={batch} {mode}, {head_format} W2 (last of 3 launches; batches over 64 "
-                  f"columns: the last launch)", "",
-                  f"kernel {totals['kernel_us']:.1f} us from the first CTA's start to the last CTA's end; "
-                  f"CTA start skew {totals['launch_skew_us']:.2f} us", "",
-                  "| step | " + " | ".join(COLUMNS) + " | warp spread (score) | arrival spread | release | step |",
-                  "|---|" + "---|" * (len(COLUMNS) + 4)]
-        lines += [f"| {r['step']} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS) +
-                  f" | {r['warp_spread']:.2f} | {r['arrival_spread']:.2f} | {r['release']:.2f} | {r['total']:.2f} |"
-                  for r in rows] + [""]
-    text = "\n".join(lines)
+    report = dict(command=command, gpu=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
+                  configs=results)
+    text = render(report)
     print(text)
     if args.out:
         with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
+            f.write(text)
         with open(args.out + ".json", "w") as f:
-            json.dump(dict(command=f"python3 {' '.join(sys.argv)}", gpu=jax.devices()[0].device_kind,
-                           jax=jax.__version__, commit=commit, configs=results), f, indent=1)
+            json.dump(report, f, indent=1)
 
+
+def render(report: dict) -> str:
+    """The markdown table of a timeline report (the JSON that --out writes)."""
+    lines = ["# Kernel timeline (benchmarks/timeline.py)", "",
+             f"- command: `{report['command']}`", f"- GPU: {report['gpu']}",
+             f"- jax {report['jax']}", f"- commit: {report['commit']}",
+             "- the timeline build's stamps cost a few ns each; medians over CTAs, us", ""]
+    for c in report["configs"]:
+        lines += [f"## V={c['vocab']} K={c['steps']} B={c['batch']} {c['mode']}, {c['head']} W2 (last of 3 launches; "
+                  f"batches over 64 columns: the last launch)", "",
+                  f"kernel {c['kernel_us']:.1f} us from the first CTA's start to the last CTA's end; "
+                  f"CTA start skew {c['launch_skew_us']:.2f} us", "",
+                  "| step | " + " | ".join(COLUMNS) + " | warp spread (score) | arrival spread | release | step |",
+                  "|---|" + "---|" * (len(COLUMNS) + 4)]
+        lines += [f"| {r['step']} | " + " | ".join(f"{r[col]:.2f}" for col in COLUMNS) +
+                  f" | {r['warp_spread']:.2f} | {r['arrival_spread']:.2f} | {r['release']:.2f} | {r['total']:.2f} |"
+                  for r in c["steps_us"]] + [""]
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()
