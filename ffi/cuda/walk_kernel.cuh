@@ -689,8 +689,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     for (int n = 0; n < tiles.total(); ++n) {
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
-      // A streamed tile is scored straight from the prefetch registers and a resident one from
-      // registers loaded from shared memory: two copies of the scoring code, no register copies.
       const bool streamed = next_streamed;
       if (streamed) {
         ++is;
