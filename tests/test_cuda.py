@@ -108,6 +108,17 @@ def test_parity_dtypes(check_parity, base_dtype, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
+# Batches too large to stage a CTA's slice of base logits stage each warp's next tile from step 1 on
+# (V a multiple of 8 values, not of the 16-row tile: the last tile's copies past V are zero-filled),
+# for every base dtype and n-tile width.
+@pytest.mark.parametrize("base_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("batch", [12, 40])
+def test_parity_staged_tiles(check_parity, base_dtype, batch):
+    rng = np.random.default_rng(hash((batch, str(base_dtype), "tiles")) % 2**32)
+    base, anchor, head, kw = make_case(rng, batch, 5, 60008, base_dtype=base_dtype, mixed=True)
+    check_parity(base, anchor, head, kw)
+
+
 # B <= 2 scores with int8 tensor cores on e split into three int8 digits: every W1 dtype.
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("w1_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -163,10 +174,12 @@ def test_large_batches_benchmark_shape(check_parity, batch):
     check_parity(base, anchor, head, kw)
 
 
-def test_padding_d2t_logit_scale(check_parity):
-    rng = np.random.default_rng(3)
+# 6 requests exchange through per-CTA slots, 24 through the atomic keys.
+@pytest.mark.parametrize("batch", [6, 24])
+def test_padding_d2t_logit_scale(check_parity, batch):
+    rng = np.random.default_rng(3 + batch)
     vocab, v_target = 32000, 128256
-    base, anchor, head, kw = make_case(rng, 6, 7, vocab, v_target=v_target, mixed=True)
+    base, anchor, head, kw = make_case(rng, batch, 7, vocab, v_target=v_target, mixed=True)
     d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
     check_parity(base, anchor, head, kw, d2t=d2t, vocab_size=vocab - 77, logit_scale=1.7)
     got = jm.walk(base, anchor, head, impl="ffi", vocab_size=vocab - 77, return_logits=True)
