@@ -86,7 +86,6 @@ struct WalkArgs {
   float logit_scale;
   int tiles_per_cta, resident_tiles;
   int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
-  int stage_tiles;  // 1: without it, each warp copies the base logits of its next tile (steps >= 1)
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -426,33 +425,15 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
   }
 }
 
-// Starts copying step k's base logits of the 16 rows from row0, all requests, into a warp's
-// `staged` ([B][16]) with cp.async, as one commit group. Chunks past V (whole: see Launch) are zeros.
-__device__ __forceinline__ void StageTileBaseLogits(const WalkArgs& a, unsigned char* staged, int row0, int k,
-                                                    int lane) {
-  const int esize = ElementBytes(a.base_dtype);
-  const int chunks = kTileRows * esize / 16;  // per request
-  for (int c = lane; c < a.batch * chunks; c += 32) {
-    const int rq = c / chunks, j = c % chunks;
-    const int offset = row0 * esize + 16 * j;
-    const bool inside = offset < a.vocab * esize;
-    const char* src = static_cast<const char*>(a.base) + (size_t(rq) * a.steps + k) * a.vocab * esize +
-                      (inside ? offset : 0);
-    CpAsync16(staged + (rq * chunks + j) * 16, src, inside);
-  }
-  CpAsyncCommit();
-}
-
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
-// (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices, from
-// `staged` ([B][stage_rows] from first_row) or, where it is null, from global memory. All loads
+// (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
 template <bool SPLIT, bool DIGITS, int kSlots>
 __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, int stage_rows,
                                              int first_row, int k, int row0, int g, int t, uint32_t (&ba)[kSlots],
                                              uint32_t (&bb)[kSlots]) {
   const int ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
-  if (staged != nullptr) {
+  if (a.stage_base) {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const int offset = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1) * stage_rows - first_row;
@@ -482,7 +463,7 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 }
 
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
-// logits (the CTA's slice for small batches, or one tile per warp), then the resident W2 tiles.
+// logits (small batches), then the resident W2 tiles.
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
@@ -543,12 +524,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
-  const int tile_stage_bytes = a.batch * kTileRows * ElementBytes(a.base_dtype);  // one warp's, with stage_tiles
-  unsigned char* warp_staged = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
-  unsigned char* resident = warp_staged + (a.stage_tiles ? kWarps * tile_stage_bytes : 0);
+  unsigned char* resident = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  unsigned char* my_staged = warp_staged + warp * tile_stage_bytes;
   const int g = lane >> 2, t = lane & 3;
   const int batch = a.batch, steps = a.steps, vocab = a.vocab;
   const int first_tile = blockIdx.x * a.tiles_per_cta;
@@ -709,24 +687,18 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       best[i] = 0;
       unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)];
     }
+    // The int8-digit kernel loads a resident tile's operand quads from step 1 on while it finishes
+    // the tile before (its epilogue), so that its MMAs do not wait for shared memory.
+    constexpr bool kQuadsAhead = DIGITS;
+    uint4 q[kChunks];
+    bool q_ready = false;
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
     int next_tile = tiles.Local(next_streamed, 0);
-    // A tile's base logits come from the CTA's staged slice (stage_base), from the warp's staged
-    // tile (stage_tiles, from step 1: step 0's cp.async groups are the resident tiles' loads; copied
-    // during the tile before, read after the MMAs), or from global memory into registers, one tile
-    // ahead where registers allow (kBaseAhead).
-    const bool tile_staged = a.stage_tiles && k > 0;
-    const bool ahead = kBaseAhead && !tile_staged;
-    const unsigned char* cta_staged = a.stage_base ? staged : nullptr;
     uint32_t base_a[kSlots], base_b[kSlots];
-    if (tiles.total() > 0) {
-      if (tile_staged) {
-        StageTileBaseLogits(a, my_staged, RowOf(next_tile), k, lane);
-      } else if (kBaseAhead) {
-        LoadBaseBits<SPLIT, DIGITS, kSlots>(a, cta_staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
-      }
+    if (kBaseAhead && tiles.total() > 0) {
+      LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
     for (int n = 0; n < tiles.total(); ++n) {
       const int j = next_tile;
@@ -744,14 +716,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         ++im;
       }
       uint32_t next_a[kSlots], next_b[kSlots];
-      if (!kBaseAhead && !tile_staged) {
-        LoadBaseBits<SPLIT, DIGITS, kSlots>(a, cta_staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
-      }
+      if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
       if (n + 1 < tiles.total()) {
         next_streamed = streamed_slot == n + 1;
         next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
-        if (ahead) {
-          LoadBaseBits<SPLIT, DIGITS, kSlots>(a, cta_staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+        if (kBaseAhead) {
+          LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled), from
@@ -759,16 +729,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       float dot_a[kSlots], dot_b[kSlots];
       const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
         if constexpr (DIGITS) {
-          int acc[2][4] = {};
+          int acc[4][4] = {};  // four chains of two dependent MMAs
 #pragma unroll
           for (int s = 0; s < 8; ++s) {
             const int w = 2 * (s & 1);
             const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
-            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+            Imma16832(acc[s & 3], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
           }
           int c[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+          for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
           // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
           // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
           const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
@@ -839,19 +809,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
         }
-        uint4 q[kChunks];
+        if (!q_ready) {
 #pragma unroll
-        for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+        }
         TileDots(!kFragmentOrder, q);
       }
-      if (tile_staged) {
-        // Every lane's copies have landed (and, after the first __syncwarp, the whole warp's); the
-        // second keeps the next tile's copies behind this tile's reads.
-        CpAsyncWaitPending(0);
-        __syncwarp();
-        LoadBaseBits<SPLIT, DIGITS, kSlots>(a, my_staged, kTileRows, row0, k, row0, g, t, base_a, base_b);
-        __syncwarp();
-        if (n + 1 < tiles.total()) StageTileBaseLogits(a, my_staged, RowOf(next_tile), k, lane);
+      q_ready = kQuadsAhead && k > 0 && n + 1 < tiles.total() && !next_streamed;
+      if (q_ready) {
+        const uint4* next_slot = reinterpret_cast<const uint4*>(resident + size_t(next_tile) * kTileBytes) + lane;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) q[i] = next_slot[i * 32];
       }
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
@@ -893,7 +861,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       }
-      if (ahead) {
+      if (kBaseAhead) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           base_a[i] = next_a[i];
@@ -990,14 +958,8 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // before the grid-wide wait), at the price of a few resident W2 tiles.
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
-  // Larger ones stage each warp's next tile instead (steps >= 1), which keeps the base-logit loads'
-  // latency out of the scoring loop. Both copy whole 16-byte chunks of each request's row.
-  const bool whole_chunks = (size_t(args.vocab) * esize) % 16 == 0;
-  args.stage_base = whole_chunks && stage_bytes <= kMaxStageBytes;
-  args.stage_tiles = whole_chunks && !args.stage_base;
-  const int tile_stage_bytes = args.stage_tiles ? kThreads / 32 * args.batch * kTileRows * esize : 0;
-  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0) +
-                    tile_stage_bytes;
+  args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
