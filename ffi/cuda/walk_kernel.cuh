@@ -687,11 +687,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       best[i] = 0;
       unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)];
     }
-    // The int8-digit kernel loads a resident tile's operand quads from step 1 on while it finishes
-    // the tile before (its epilogue), so that its MMAs do not wait for shared memory.
-    constexpr bool kQuadsAhead = DIGITS;
-    uint4 q[kChunks];
-    bool q_ready = false;
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
@@ -729,16 +724,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       float dot_a[kSlots], dot_b[kSlots];
       const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
         if constexpr (DIGITS) {
-          int acc[4][4] = {};  // four chains of two dependent MMAs
+          int acc[2][4] = {};
 #pragma unroll
           for (int s = 0; s < 8; ++s) {
             const int w = 2 * (s & 1);
             const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
-            Imma16832(acc[s & 3], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
           }
           int c[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+          for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
           // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
           // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
           const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
@@ -809,17 +804,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
         }
-        if (!q_ready) {
+        uint4 q[kChunks];
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
-        }
+        for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
         TileDots(!kFragmentOrder, q);
-      }
-      q_ready = kQuadsAhead && k > 0 && n + 1 < tiles.total() && !next_streamed;
-      if (q_ready) {
-        const uint4* next_slot = reinterpret_cast<const uint4*>(resident + size_t(next_tile) * kTileBytes) + lane;
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) q[i] = next_slot[i * 32];
       }
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
