@@ -163,10 +163,12 @@ def test_large_batches_benchmark_shape(check_parity, batch):
     check_parity(base, anchor, head, kw)
 
 
-def test_padding_d2t_logit_scale(check_parity):
-    rng = np.random.default_rng(3)
+# 6 requests exchange through per-CTA slots, 24 through the atomic keys.
+@pytest.mark.parametrize("batch", [6, 24])
+def test_padding_d2t_logit_scale(check_parity, batch):
+    rng = np.random.default_rng(3 + batch)
     vocab, v_target = 32000, 128256
-    base, anchor, head, kw = make_case(rng, 6, 7, vocab, v_target=v_target, mixed=True)
+    base, anchor, head, kw = make_case(rng, batch, 7, vocab, v_target=v_target, mixed=True)
     d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
     check_parity(base, anchor, head, kw, d2t=d2t, vocab_size=vocab - 77, logit_scale=1.7)
     got = jm.walk(base, anchor, head, impl="ffi", vocab_size=vocab - 77, return_logits=True)

@@ -608,22 +608,31 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     }
 
     // 1. Step k-1's choices; e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A
-    //    warp reads the keys of kRowsPerPass requests, then their W1 rows, before converting any.
+    //    warp reads the keys of kRowsPerPass requests, then their W1 rows, before converting any
+    //    (each in one batch of loads: one L2 round trip each, not one per request).
     for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
       int row[kRowsPerPass];
+      if (k == 0) {
 #pragma unroll
-      for (int u = 0; u < kRowsPerPass; ++u) {
-        const int b = min(first + u * kWarps, batch - 1);
-        if (k == 0) {
-          row[u] = prev[b];
-        } else if (direct && u > 0) {
-          row[u] = 0;  // with kDirectBatch <= kWarps, a warp walks at most one request
-        } else {
-          const uint32_t token =
-              ArgmaxKeyIndex(direct ? GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)
-                                    : __ldcg(&a.slots[(k - 1) * kMaxBatch + b]));
-          row[u] = a.d2t != nullptr ? int32_t(token) + __ldg(a.d2t + token) : int32_t(token);
-        }
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
+      } else if (direct) {
+        // With kDirectBatch <= kWarps, a warp walks at most one request.
+        row[0] = ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + first) * gridDim.x, lane));
+#pragma unroll
+        for (int u = 1; u < kRowsPerPass; ++u) row[u] = 0;
+      } else {
+        unsigned long long key[kRowsPerPass];
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) key[u] = __ldcg(&a.slots[(k - 1) * kMaxBatch + min(first + u * kWarps, batch - 1)]);
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] = ArgmaxKeyIndex(key[u]);
+      }
+      if (k > 0 && a.d2t != nullptr) {
+        int offset[kRowsPerPass];
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) offset[u] = __ldg(a.d2t + row[u]);
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] += offset[u];
       }
       if (k > 0 && blockIdx.x == 0 && lane == 0) {
 #pragma unroll
