@@ -48,7 +48,9 @@ constexpr int kTileRows = 16;
 constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
-constexpr int kMaxStageBytes = 10 * 1024;
+// A CTA's base-logit slice of a step is staged in shared memory up to this size (16 requests of bf16
+// logits at V = 151936 on 132 SMs).
+constexpr int kMaxStageBytes = 36 * 1024;
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 8;
 constexpr int kDirectMaxCtas = 160;
