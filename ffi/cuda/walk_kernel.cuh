@@ -692,7 +692,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     CpAsyncCommit();
   };
   if (a.stage_base && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
-  if (!a.stage_base && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
+  // Unstaged base logits are asked of L2 a step ahead: steps 0 and 1 now, step k + 1 when step k starts.
+  if (!a.stage_base && my_tiles > 0) {
+    for (int k = 0; k < min(2, a.steps); ++k) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+  }
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
@@ -709,7 +712,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (a.stage_base) {
           StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
         } else {
-          PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+          if (k + 1 < steps) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k + 1);
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
       }
