@@ -48,11 +48,9 @@ constexpr int kTileRows = 16;
 constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
-// A CTA's base-logit slice of a step is staged in shared memory up to this size (16 requests of bf16
-// logits at V = 151936 on 132 SMs).
-constexpr int kMaxStageBytes = 36 * 1024;
+constexpr int kMaxStageBytes = 10 * 1024;
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
-constexpr int kDirectBatch = 16;
+constexpr int kDirectBatch = 8;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
 
@@ -608,7 +606,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
-  constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
@@ -692,10 +689,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     CpAsyncCommit();
   };
   if (a.stage_base && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
-  // Unstaged base logits are asked of L2 a step ahead: steps 0 and 1 now, step k + 1 when step k starts.
-  if (!a.stage_base && my_tiles > 0) {
-    for (int k = 0; k < min(2, a.steps); ++k) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
-  }
+  if (!a.stage_base && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
@@ -712,7 +706,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (a.stage_base) {
           StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
         } else {
-          if (k + 1 < steps) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k + 1);
+          PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
       }
@@ -739,12 +733,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // A warp walks at most kDirectPerWarp requests here.
+        // With kDirectBatch <= kWarps, a warp walks at most one request.
+        row[0] = ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + first) * gridDim.x, lane));
 #pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
-          const int b = first + u * kWarps;
-          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
-        }
+        for (int u = 1; u < kRowsPerPass; ++u) row[u] = 0;
       } else {
         unsigned long long key[kRowsPerPass];
 #pragma unroll
