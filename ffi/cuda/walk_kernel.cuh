@@ -50,7 +50,7 @@ constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
-constexpr int kDirectBatch = 8;
+constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
 
@@ -606,6 +606,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
+  constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
@@ -733,10 +734,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // With kDirectBatch <= kWarps, a warp walks at most one request.
-        row[0] = ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + first) * gridDim.x, lane));
+        // A warp walks at most kDirectPerWarp requests here.
 #pragma unroll
-        for (int u = 1; u < kRowsPerPass; ++u) row[u] = 0;
+        for (int u = 0; u < kRowsPerPass; ++u) {
+          const int b = first + u * kWarps;
+          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+        }
       } else {
         unsigned long long key[kRowsPerPass];
 #pragma unroll
