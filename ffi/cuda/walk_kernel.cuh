@@ -859,15 +859,22 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
       }
-      // The tile's chunks from shared memory (zeros for a warp past its tiles); only those that the
-      // caller reads are loaded.
-      const auto ResidentChunks = [&](uint4 (&q)[kChunks]) {
-        if (active) {
-#pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
+      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
+      // the chunks that `use` reads are loaded).
+      const auto WithChunks = [&](const auto& use) {
+        if (streamed) {
+          use(true, pre);
         } else {
+          uint4 q[kChunks];
+          if (active) {
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+          } else {
+#pragma unroll
+            for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
+          }
+          use(!kFragmentOrder, q);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
@@ -928,13 +935,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             }
           }
         };
-        if (streamed) {
-          TileDots(true, pre);
-        } else {
-          uint4 q[kChunks];
-          ResidentChunks(q);
-          TileDots(!kFragmentOrder, q);
-        }
+        WithChunks(TileDots);
       } else {
         float d[4 * NT];
 #pragma unroll
@@ -950,13 +951,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               op[i][3] = v.w;
             }
           };
-          if (streamed) {
-            BatchOperands(true, pre);
-          } else {
-            uint4 q[kChunks];
-            ResidentChunks(q);
-            BatchOperands(!kFragmentOrder, q);
-          }
+          WithChunks(BatchOperands);
           WgmmaBatch<NT, W2 == kW2BF16, kBatch>(op, frag_desc, h, d);
         }
 #pragma unroll
