@@ -36,6 +36,7 @@
 
 #include "common/walk_common.h"
 #include "cuda/markov_walk_cuda.h"
+#include "cuda/wgmma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_markov {
@@ -158,72 +159,6 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
   }
 }
 
-// wgmma (sm_90a) for one warpgroup: D[64 x 8 NT] (+)= A[64 x 16] B[16 x 8 NT] in fp32, with fp16 (BF16: bf16)
-// inputs. Each warp gives 16 rows of A from registers in mma.m16n8k16's A layout and gets its 16 rows of
-// D in that instruction's accumulator layout, n-tile i in d[4i .. 4i + 3]; B comes from shared memory
-// through its descriptor. accumulate = 0 writes A B, ignoring d's old values.
-template <int NT, bool BF16>
-__device__ __forceinline__ void Wgmma(float (&d)[4 * NT], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                      uint64_t desc, int accumulate) {
-  if constexpr (BF16 && NT == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 2) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 4) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 2) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 4) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-
-}
-
 // Where the step's B fragments live in shared memory: the 32-bit word of column n, k = 2 kp + 8 half
 // (and k + 1) at k-step s. For wgmma (WG), per k-step a [16 x 8 NT] block in the canonical K-major
 // layout without swizzle: core matrices of 8 columns x 8 k (128 contiguous bytes, 16 per column), the
@@ -237,28 +172,23 @@ __device__ __forceinline__ int FragWord(int s, int n, int half, int kp) {
 template <int NT>
 constexpr int kFragStepBytes = 256 * NT;
 
-// The shared-memory descriptor of k-step 0's B block (bits 0-13: address / 16, 16-29: k-half stride / 16,
-// 32-45: column-group stride / 16, swizzle bits 0); k-step s adds s * kFragStepBytes / 16.
-__device__ __forceinline__ uint64_t FragDescriptor(const void* frag) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(frag));
-  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
-}
+// The shared-memory descriptor of k-step 0's B block for wgmma (k-halves 128 bytes apart, groups of 8
+// columns 256 bytes apart); k-step s adds s * kFragStepBytes / 16.
+__device__ __forceinline__ uint64_t FragDescriptor(const void* frag) { return WgmmaDescriptor(frag, 128, 256); }
 
 // k-steps kBatch h .. kBatch h + kBatch - 1 of a tile's dot products on the warpgroup's tensor cores,
 // A from op (k-step kBatch h + i: op[i]); waits for them, so that op's registers are free again and d
 // is complete. The empty asm after the wait keeps every read of d after it.
 template <int NT, bool BF16, int kBatch>
 __device__ __forceinline__ void WgmmaBatch(const uint32_t (&op)[kBatch][4], uint64_t desc, int h, float (&d)[4 * NT]) {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  WgmmaFence();
 #pragma unroll
   for (int i = 0; i < kBatch; ++i) {
     const int s = kBatch * h + i;
     Wgmma<NT, BF16>(d, op[i][0], op[i][1], op[i][2], op[i][3], desc + uint64_t(s * kFragStepBytes<NT> / 16), s > 0);
   }
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-  for (int i = 0; i < 4 * NT; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  WgmmaCommit();
+  WgmmaWait<0>(d);
 }
 
 __device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -792,7 +722,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
     if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
-    if constexpr (kWgmma) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
     Stamp(a, k, 3);
 
