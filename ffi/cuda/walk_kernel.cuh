@@ -733,11 +733,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
     }
     unsigned long long best[kSlots];
-    float unscale_of[kSlots];  // each owned request's power-of-two unscale, for the whole step
+    // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
+    // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
+    // logit_scale * (scale * (dot * unscale)) does (scaling by 2^-shift is exact), one multiply fewer.
+    float unscale_of[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)];
+      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
     }
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
@@ -904,7 +907,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
             const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
@@ -921,7 +924,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const int row = h ? row_b : row_a;
             if (row >= vocab) continue;
             const size_t index = (size_t(rq) * steps + k) * vocab + row;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
             float score = l;
