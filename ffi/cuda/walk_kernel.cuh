@@ -857,11 +857,13 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kSlots; ++i) {
               const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-              float va[2], vb[2];
+              float va[2] = {acc[nt][0], acc[nt][1]}, vb[2] = {acc[nt][2], acc[nt][3]};
+              if constexpr (kChains == 2) {
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                va[e] = acc[nt][e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][e] : 0.0f);
-                vb[e] = acc[nt][2 + e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][2 + e] : 0.0f);
+                for (int e = 0; e < 2; ++e) {
+                  va[e] += acc[NT + nt][e];
+                  vb[e] += acc[NT + nt][2 + e];
+                }
               }
               dot_a[i] = SPLIT ? va[0] + va[1] : va[c];
               dot_b[i] = SPLIT ? vb[0] + vb[1] : vb[c];
