@@ -7,13 +7,15 @@
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
 //   order: one 16-byte load per MMA operand); the rest stream from L2 every step. Each thread
 //   re-reads exactly the bytes it stored, so no barrier guards them.
-// - Scoring uses tensor cores: mma.m16n8k16 with A = 16 W2 rows (int8 -> fp16 is exact; fp16 and
-//   bf16 rows are used as they are) and B = e = W1[prev] for up to 8 columns per n-tile. e is
-//   scaled by a power of two per request and written in the MMA's format; where that format holds
-//   fewer bits than W1 (fp32 W1, or fp16 W1 against bf16 W2) a request takes two columns (hi + lo
-//   parts). Products are exact and accumulate in fp32. Since a dot product is a sum, the r index is
-//   permuted freely: each thread loads 16 contiguous bytes per chunk and B is laid out to match.
-//   Batches of 1-2 requests with int8 W2 use int8 MMAs on e's digits instead (BuildDigits).
+// - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
+//   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
+//   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
+//   four warps. e is scaled by a power of two per request and written in the MMA's format; where
+//   that format holds fewer bits than W1 (fp32 W1, or fp16 W1 against bf16 W2) a request takes two
+//   columns (hi + lo parts). Products are exact and accumulate in fp32. Since a dot product is a
+//   sum, the r index is permuted freely: each thread loads 16 contiguous bytes per chunk and B is
+//   laid out to match. Batches of 1-2 requests with int8 W2 use int8 mma.sync on e's digits
+//   instead (BuildDigits), warp by warp.
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
@@ -137,8 +139,8 @@ __device__ __forceinline__ uint32_t Int8PairToHalf2(uint32_t w, uint32_t selecto
   return out;
 }
 
-// D += A B in fp32 with fp16 (or, BF16, bf16) inputs.
-template <bool BF16 = false>
+// D += A B in fp32 with fp16 (or, BF16, bf16) inputs, one warp.
+template <bool BF16>
 __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   if constexpr (BF16) {
@@ -154,6 +156,109 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+}
+
+// wgmma (sm_90a) for one warpgroup: D[64 x 8 NT] (+)= A[64 x 16] B[16 x 8 NT] in fp32, with fp16 (BF16: bf16)
+// inputs. Each warp gives 16 rows of A from registers in mma.m16n8k16's A layout and gets its 16 rows of
+// D in that instruction's accumulator layout, n-tile i in d[4i .. 4i + 3]; B comes from shared memory
+// through its descriptor. accumulate = 0 writes A B, ignoring d's old values.
+template <int NT, bool BF16>
+__device__ __forceinline__ void Wgmma(float (&d)[4 * NT], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint64_t desc, int accumulate) {
+  if constexpr (BF16 && NT == 1) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (BF16 && NT == 2) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (BF16 && NT == 4) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (BF16 && NT == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (!BF16 && NT == 1) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (!BF16 && NT == 2) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (!BF16 && NT == 4) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+  if constexpr (!BF16 && NT == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
+  }
+
+}
+
+// Where the step's B fragments live in shared memory: the 32-bit word of column n, k = 2 kp + 8 half
+// (and k + 1) at k-step s. For wgmma (WG), per k-step a [16 x 8 NT] block in the canonical K-major
+// layout without swizzle: core matrices of 8 columns x 8 k (128 contiguous bytes, 16 per column), the
+// two k-halves of a k-step 128 bytes apart, groups of 8 columns 256 bytes apart. For mma.sync, the
+// fragment of lane (n & 7, kp) of n-tile n / 8 at k-step s, as one 8-byte load: [NT][16][32 lanes].
+template <int NT, bool WG>
+__device__ __forceinline__ int FragWord(int s, int n, int half, int kp) {
+  if constexpr (WG) return s * 64 * NT + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + kp;
+  return 2 * (((n >> 3) * 16 + s) * 32 + (n & 7) * 4 + kp) + half;
+}
+template <int NT>
+constexpr int kFragStepBytes = 256 * NT;
+
+// The shared-memory descriptor of k-step 0's B block (bits 0-13: address / 16, 16-29: k-half stride / 16,
+// 32-45: column-group stride / 16, swizzle bits 0); k-step s adds s * kFragStepBytes / 16.
+__device__ __forceinline__ uint64_t FragDescriptor(const void* frag) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(frag));
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+}
+
+// k-steps kBatch h .. kBatch h + kBatch - 1 of a tile's dot products on the warpgroup's tensor cores,
+// A from op (k-step kBatch h + i: op[i]); waits for them, so that op's registers are free again and d
+// is complete. The empty asm after the wait keeps every read of d after it.
+template <int NT, bool BF16, int kBatch>
+__device__ __forceinline__ void WgmmaBatch(const uint32_t (&op)[kBatch][4], uint64_t desc, int h, float (&d)[4 * NT]) {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    const int s = kBatch * h + i;
+    Wgmma<NT, BF16>(d, op[i][0], op[i][1], op[i][2], op[i][3], desc + uint64_t(s * kFragStepBytes<NT> / 16), s > 0);
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < 4 * NT; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 __device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -289,17 +394,17 @@ __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int
   }
 }
 
-// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B-fragment columns in
-// the MMA's format (fp16, or bf16 against a bf16 W2), writes its embeds row when this CTA owns
-// request b, and records the power-of-two unscale.
+// Converts request b's W1 row (raw words of lane L: e[8L .. 8L+7]) into its B columns in the MMA's
+// format (fp16, or bf16 against a bf16 W2; layout at FragWord), writes its embeds row when this CTA
+// owns request b, and records the power-of-two unscale.
 //
 // Where each element of e sits follows the A layout of W2's format. A lane's 4 values of row g at
 // k-step s are r = 16 (4 (s >> 2) + t) + 4 (s & 3) + j for int8 rows (16-byte chunks of 16 values)
 // and r = 8 (4 (s >> 1) + t) + 4 (s & 1) + j for 16-bit rows (chunks of 8 values); values j = 0, 1
 // are MMA k = 2t, 2t + 1 and j = 2, 3 are k = 2t + 8, 2t + 9.
-template <int NT, bool SPLIT, int W2>
+template <int NT, bool SPLIT, int W2, bool WG>
 __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
-                                               uint2* frag, float* unscale) {
+                                               uint32_t* frag, float* unscale) {
   constexpr bool kBF16 = W2 == kW2BF16;
   float e[8];
   LoadRowAndEmbeds(a, b, k, lane, raw, e);
@@ -317,13 +422,12 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
 #pragma unroll
   for (int part = 0; part < (SPLIT ? 2 : 1); ++part) {
     const int column = SPLIT ? 2 * b + part : b;
-    const int nt = column >> 3, cg = column & 7;
     const unsigned short* h = part ? lo : hi;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int s = W2 == kW2Int8 ? 4 * (lane >> 3) + 2 * (lane & 1) + u : 2 * (lane >> 2) + u;
-      frag[(nt * 16 + s) * 32 + cg * 4 + tt] = make_uint2(uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16),
-                                                          uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16));
+      frag[FragWord<NT, WG>(s, column, 0, tt)] = uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16);
+      frag[FragWord<NT, WG>(s, column, 1, tt)] = uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16);
     }
   }
 }
@@ -466,7 +570,7 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 // logits (small batches), then the resident W2 tiles.
 template <int NT>
 struct Smem {
-  static constexpr int kFragBytes = NT * 16 * 32 * 8;  // uint2 [NT][16 k-steps][32 lanes]
+  static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16;  // + the last-CTA flag
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
 };
@@ -501,7 +605,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
-  constexpr int kChains = NT == 1 ? 2 : 1;
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
@@ -510,8 +613,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
+  // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
+  // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
+  // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
+  // kChains independent accumulator chains per n-tile.
+  constexpr bool kWgmma = !DIGITS && NT >= 4;
+  constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
+  constexpr int kChains = NT == 1 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
-  uint2* frag = reinterpret_cast<uint2*>(smem);
+  uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
   int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
@@ -535,12 +645,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
   const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  // wgmma is warpgroup-wide: the four warps of a warpgroup run as many tile iterations as the busiest
+  // of them, a warp past its own tiles with zero operands and no epilogue.
+  int loop_tiles = tiles.total();
+  if constexpr (kWgmma) {
+    for (int w = warp & ~3; w <= (warp | 3); ++w) loop_tiles = max(loop_tiles, WarpTiles<kWarps>(w, a.resident_tiles, my_tiles).total());
+  }
+  const uint64_t frag_desc = FragDescriptor(frag);
   // Small batches exchange keys through one slot per CTA (slots[(k * batch + b) * grid + cta]).
   const bool direct = batch <= kDirectBatch && gridDim.x <= kDirectMaxCtas;
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
-  for (int i = tid; i < Smem<NT>::kFragBytes / 8; i += THREADS) frag[i] = make_uint2(0, 0);
+  for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
   for (int b = tid; b < kMaxBatch; b += THREADS) {
     cta_best[b] = 0;
     if (b < batch) {
@@ -661,7 +778,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if constexpr (DIGITS) {
           BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
         } else {
-          BuildFragments<NT, SPLIT, W2>(a, b, k, lane, w1_raw[u], frag, unscale);
+          BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
         }
       }
     }
@@ -671,6 +788,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     }
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
     if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    // The B fragments written above are read by the tensor cores through the async proxy.
+    if constexpr (kWgmma) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     Stamp(a, k, 3);
 
@@ -695,120 +814,157 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (kBaseAhead && tiles.total() > 0) {
       LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
-    for (int n = 0; n < tiles.total(); ++n) {
+    for (int n = 0; n < loop_tiles; ++n) {
+      const bool active = n < tiles.total();
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
-      const bool streamed = next_streamed;
-      if (streamed) {
-        ++is;
-        streamed_slot = tiles.StreamedSlot(is);
-      } else {
-        if (k == 0) {
-          // Groups committed after tile im's: the tiles up to im + kLoadAhead.
-          if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
-          CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
-        }
-        ++im;
-      }
+      const bool streamed = active && next_streamed;
       uint32_t next_a[kSlots], next_b[kSlots];
-      if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
-      if (n + 1 < tiles.total()) {
-        next_streamed = streamed_slot == n + 1;
-        next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
-        if (kBaseAhead) {
-          LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+      if (active) {
+        if (streamed) {
+          ++is;
+          streamed_slot = tiles.StreamedSlot(is);
+        } else {
+          if (k == 0) {
+            // Groups committed after tile im's: the tiles up to im + kLoadAhead.
+            if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
+            CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
+          }
+          ++im;
+        }
+        if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
+        if (n + 1 < tiles.total()) {
+          next_streamed = streamed_slot == n + 1;
+          next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
+          if (kBaseAhead) {
+            LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+          }
         }
       }
-      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled), from
-      // the tile's chunks in row order (rows_order, a constant at each inlined call) or fragment order.
+      // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
+      // streamed tile is taken straight from the prefetch registers (row order), a resident one in
+      // fragment order, as step 0 stored it back after loading it (each lane rewrites only its own
+      // chunks; the int8 -> fp16 conversion takes its words from anywhere, so that path keeps its
+      // resident tiles in row order). Two copies of the operand code (no register copies of the
+      // prefetch registers), one of the MMAs and one of the epilogue.
       float dot_a[kSlots], dot_b[kSlots];
-      const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
-        if constexpr (DIGITS) {
-          int acc[2][4] = {};
+      uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
+      if (active && !streamed && kFragmentOrder && k == 0) {
+        uint4 rows[kChunks];
 #pragma unroll
-          for (int s = 0; s < 8; ++s) {
-            const int w = 2 * (s & 1);
-            const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
-            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
-          }
-          int c[4];
+        for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
-          // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
-          // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
-          const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
-          const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
-          const bool first = t == 0;
-          dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
-          dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+        for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
+      }
+      // The tile's chunks from shared memory (zeros for a warp past its tiles); only those that the
+      // caller reads are loaded.
+      const auto ResidentChunks = [&](uint4 (&q)[kChunks]) {
+        if (active) {
+#pragma unroll
+          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
         } else {
-          // kChains independent accumulator chains per n-tile shorten the dependent MMA sequence.
-          float acc[kChains * NT][4];
 #pragma unroll
-          for (int i = 0; i < kChains * NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-          for (int s = 0; s < 16; ++s) {
-            uint32_t a0, a1, a2, a3;  // rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3)
-            if constexpr (W2 == kW2Int8) {
-              // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
-              const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-              const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-              const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
-              a0 = Int8PairToHalf2(wa, 0x4140);
-              a1 = Int8PairToHalf2(wb, 0x4140);
-              a2 = Int8PairToHalf2(wa, 0x4342);
-              a3 = Int8PairToHalf2(wb, 0x4342);
-            } else {
-              const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
-              a0 = q.x;
-              a1 = q.y;
-              a2 = q.z;
-              a3 = q.w;
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const uint2 bf = frag[(nt * 16 + s) * 32 + lane];
-              Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, bf.x, bf.y);
-            }
-          }
-#pragma unroll
-          for (int c = 1; c < kChains; ++c) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[nt][e] += acc[c * NT + nt][e];
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kSlots; ++i) {
-            const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-            dot_a[i] = SPLIT ? acc[nt][0] + acc[nt][1] : acc[nt][c];
-            dot_b[i] = SPLIT ? acc[nt][2] + acc[nt][3] : acc[nt][2 + c];
-          }
+          for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
         }
       };
-      // A streamed tile is scored straight from the prefetch registers (row order), a resident one
-      // in fragment order, as step 0 stored it back after loading it (each lane rewrites only its
-      // own chunks). Two copies of the MMA code (no register copies of the prefetch registers, no
-      // register moves on the resident path), one of the epilogue. (The int8 -> fp16 conversion
-      // takes its words from anywhere, so that path keeps its resident tiles in row order.)
-      if (streamed) {
-        TileDots(true, pre);
-        if (is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
-      } else {
-        uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-        if (kFragmentOrder && k == 0) {
-          uint4 rows[kChunks];
-#pragma unroll
-          for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
-#pragma unroll
-          for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
+      // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
+      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+        if constexpr (W2 == kW2Int8) {
+          // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
+          const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
+          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
+          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+          return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
+                            Int8PairToHalf2(wb, 0x4342));
+        } else {
+          return FragmentChunk<W2>(chunks, s, rows_order);
         }
-        uint4 q[kChunks];
+      };
+      if constexpr (!kWgmma) {
+        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+          if constexpr (DIGITS) {
+            int acc[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
-        TileDots(!kFragmentOrder, q);
+            for (int s = 0; s < 8; ++s) {
+              const int w = 2 * (s & 1);
+              const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
+              Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+            }
+            int c[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+            // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+            // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+            const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+            const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+            const bool first = t == 0;
+            dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+            dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+          } else {
+            float acc[kChains * NT][4] = {};
+#pragma unroll
+            for (int s = 0; s < 16; ++s) {
+              const uint4 op = StepOperands(rows_order, chunks, s);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
+                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < kSlots; ++i) {
+              const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+              float va[2], vb[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                va[e] = acc[nt][e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][e] : 0.0f);
+                vb[e] = acc[nt][2 + e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][2 + e] : 0.0f);
+              }
+              dot_a[i] = SPLIT ? va[0] + va[1] : va[c];
+              dot_b[i] = SPLIT ? vb[0] + vb[1] : vb[c];
+            }
+          }
+        };
+        if (streamed) {
+          TileDots(true, pre);
+        } else {
+          uint4 q[kChunks];
+          ResidentChunks(q);
+          TileDots(!kFragmentOrder, q);
+        }
+      } else {
+        float d[4 * NT];
+#pragma unroll
+        for (int h = 0; h < 16 / kBatch; ++h) {
+          uint32_t op[kBatch][4];
+          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i);
+              op[i][0] = v.x;
+              op[i][1] = v.y;
+              op[i][2] = v.z;
+              op[i][3] = v.w;
+            }
+          };
+          if (streamed) {
+            BatchOperands(true, pre);
+          } else {
+            uint4 q[kChunks];
+            ResidentChunks(q);
+            BatchOperands(!kFragmentOrder, q);
+          }
+          WgmmaBatch<NT, W2 == kW2BF16, kBatch>(op, frag_desc, h, d);
+        }
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+          dot_a[i] = SPLIT ? d[4 * nt] + d[4 * nt + 1] : d[4 * nt + c];
+          dot_b[i] = SPLIT ? d[4 * nt + 2] + d[4 * nt + 3] : d[4 * nt + 2 + c];
+        }
       }
+      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
       if (plain) {
