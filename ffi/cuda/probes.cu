@@ -188,7 +188,7 @@ __global__ void MmaKernel(int iters, float* sink) {
 // Every warpgroup issues m64n64k16 wgmmas (A from registers, B from shared memory, all operands 1.0)
 // in groups of kMmaChains, keeping two groups in flight, so that the tensor cores, not the waits, set
 // the rate. The sums stay exact: 16 per wgmma, at most 2^21 wgmmas.
-__global__ void WgmmaKernel(int iters, float* sink) {
+__global__ void __launch_bounds__(kWalkThreads, 1) WgmmaKernel(int iters, float* sink) {
   __shared__ __align__(128) uint32_t b[16 * 64 / 2];  // [16 x 64] fp16 ones: every layout reads 1.0
   for (int i = threadIdx.x; i < 16 * 64 / 2; i += blockDim.x) b[i] = 0x3c003c00u;
   FenceSharedForAsyncProxy();

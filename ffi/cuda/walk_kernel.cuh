@@ -33,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "common/walk_common.h"
 #include "cuda/markov_walk_cuda.h"
@@ -278,8 +279,14 @@ __device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k
   }
 }
 
+// 2^n for n in [-126, 127], a normal float: multiplying by it gives ldexpf(x, n), in one instruction.
+__device__ __forceinline__ float Pow2(int n) { return __int_as_float((n + 127) << 23); }
+
 // The shift that brings the row's largest |e| into [2^(top - 1), 2^top) (at most max_shift; 0 for
 // a zero or non-finite row). Lane 0 records 2^-shift, which undoes it exactly after the dot product.
+// amax's biased exponent field is frexpf's exponent + 126 where amax is normal; a subnormal amax
+// reads as 2^-126 and gets max_shift either way (top + 126 > max_shift). With top <= 22 and
+// max_shift <= 126, shift and -shift are in Pow2's range.
 __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_shift, int lane, float* unscale) {
   float amax = 0.0f;
 #pragma unroll
@@ -287,12 +294,8 @@ __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_sh
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   int shift = 0;
-  if (amax > 0.0f && amax <= 3.0e38f) {
-    int exponent;
-    frexpf(amax, &exponent);
-    shift = min(top - exponent, max_shift);
-  }
-  if (lane == 0) *unscale = ldexpf(1.0f, -shift);
+  if (amax > 0.0f && amax <= 3.0e38f) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
+  if (lane == 0) *unscale = Pow2(-shift);
   return shift;
 }
 
@@ -307,9 +310,10 @@ __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int
   LoadRowAndEmbeds(a, b, k, lane, raw, e);
   const int shift = RowShift(e, 22, 126, lane, unscale + b);
   uint32_t words[3][2] = {};
+  const float up = Pow2(shift);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float scaled = ldexpf(e[i], shift);
+    const float scaled = e[i] * up;
     int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
 #pragma unroll
     for (int d = 0; d < 3; ++d) {
@@ -342,9 +346,10 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
   // (bf16's range is fp32's; the same shift does no harm there).
   const int shift = RowShift(e, 15, 100, lane, unscale + b);
   unsigned short hi[8], lo[8];
+  const float up = Pow2(shift);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float x = ldexpf(e[i], shift);
+    const float x = e[i] * up;
     hi[i] = NarrowBits<kBF16>(x);
     lo[i] = SPLIT ? NarrowBits<kBF16>(x - WidenBits<kBF16>(hi[i])) : 0;
   }
@@ -392,10 +397,18 @@ __device__ __forceinline__ void CpAsyncWaitPending(int n) {
   }
 }
 
-// Raw bits of a base logit as a float, with selects rather than a jump on the dtype.
+// Raw bits of a base logit of dtype BASE as a float: one instruction at most.
+template <int BASE>
+__device__ __forceinline__ float BaseToFloat(uint32_t bits) {
+  if constexpr (BASE == kF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  if constexpr (BASE == kBF16) return __uint_as_float(bits << 16);
+  return __uint_as_float(bits);
+}
+
+// The same for a dtype known at run time, with selects rather than a jump.
 __device__ __forceinline__ float BitsToFloat(uint32_t bits, int dtype) {
-  const float half = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  const float wide = __uint_as_float(dtype == kBF16 ? bits << 16 : bits);
+  const float half = BaseToFloat<kF16>(bits);
+  const float wide = dtype == kBF16 ? BaseToFloat<kBF16>(bits) : BaseToFloat<kF32>(bits);
   return dtype == kF16 ? half : wide;
 }
 
@@ -900,22 +913,30 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
-      if (plain) {
-        // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
-        // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
-        // V; the slots of requests past the batch are never published.
+      // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
+      // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
+      // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
+      // never published.
+      const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
-            const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
+            const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
         }
+      };
+      if (plain && a.base_dtype == kBF16) {
+        PlainEpilogue(std::integral_constant<int, kBF16>());
+      } else if (plain && a.base_dtype == kF16) {
+        PlainEpilogue(std::integral_constant<int, kF16>());
+      } else if (plain) {
+        PlainEpilogue(std::integral_constant<int, kF32>());
       } else {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
