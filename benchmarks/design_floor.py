@@ -8,13 +8,17 @@ For a walk of K steps over B requests, a vocabulary of V and rank r = 256:
     w2_load      = (V * r + 4 * V) / hbm_copy                            int8 W2 + fp32 scales, once
     smem_share   = min(V * r, sm_count * (smem_per_block - 12 KiB))      W2 bytes resident in shared memory
     l2_share     = V * r - smem_share                                    W2 bytes re-read from L2 every step
-    tensor(B)    = ceil(V / 16) * ceil(B / 8) * (r / 16) / mma_rate      mma.m16n8k16 per step
+    tensor(B)    = ceil(V / 16) * ceil(B / 8) * (r / 16) / mma_rate      B <= 16: mma.m16n8k16 per step
+                 = ceil(V / 64) * ceil(B / 8) * (r / 16) / (8 * wgmma_rate)
+                                                           B > 16: wgmma m64n64k16 (as m64n8k16 parts)
     on_chip_pass = max(smem_share / smem_read + l2_share / l2_read, tensor(B))
     exchange(B)  = exchange_s + (B - 1) * exchange_per_request_s         atomicMax per request + grid barrier
     design_floor = max(bytes_floor, w2_load + K * (on_chip_pass + exchange(B)))
 
 hbm_copy is bytes read + written per second of a 1 GiB device-to-device copy; smem_read and l2_read
-are bytes read per second by all SMs together; 12 KiB is the kernel's fixed shared-memory state.
+are bytes read per second by all SMs together; 12 KiB is the kernel's fixed shared-memory state. The
+kernel scores batches of up to WGMMA_MIN_BATCH - 1 requests with warp-level mma.sync and larger ones
+with wgmma, so the tensor time takes the rate of the instruction it uses.
 
 `python3 benchmarks/design_floor.py` measures the constants on the first CUDA GPU and prints them and
 the floors of the benchmark's rows as markdown.
@@ -35,6 +39,8 @@ except ImportError:  # built without nvcc, or no CUDA runtime on this machine
 RANK = 256
 FIXED_SMEM_BYTES = 12 * 1024
 MMA_M, MMA_N, MMA_K = 16, 8, 16
+WGMMA_M, WGMMA_N = 64, 64
+WGMMA_MIN_BATCH = 17
 ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (129280, 5, 1), (129280, 5, 64),
         (248320, 16, 1), (151936, 7, 128), (151936, 7, 256)]
 
@@ -42,7 +48,7 @@ ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (1292
 def measure(device=None) -> dict | None:
     """Runs the probes on `device` (a JAX CUDA device, default the first; about a second) and returns
     hbm_copy_bytes_per_s, smem_read_bytes_per_s, l2_read_bytes_per_s, exchange_s,
-    exchange_per_request_s, mma_per_s, coop_launch_gap_s, sm_count and smem_per_block.
+    exchange_per_request_s, mma_per_s, wgmma_per_s, coop_launch_gap_s, sm_count and smem_per_block.
     Without the CUDA module or a CUDA GPU it warns why (RuntimeWarning) and returns None."""
     reason = None
     if _markov_cuda is None:
@@ -73,7 +79,11 @@ def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, ou
     l2_share = w2_bytes - smem_share
     smem_pass = smem_share / c["smem_read_bytes_per_s"]
     l2_pass = l2_share / c["l2_read_bytes_per_s"]
-    tensor = math.ceil(V / MMA_M) * math.ceil(B / MMA_N) * (RANK // MMA_K) / c["mma_per_s"]
+    if B < WGMMA_MIN_BATCH:
+        tensor = math.ceil(V / MMA_M) * math.ceil(B / MMA_N) * (RANK // MMA_K) / c["mma_per_s"]
+    else:
+        tensor = (math.ceil(V / WGMMA_M) * math.ceil(B / MMA_N) * (RANK // MMA_K)
+                  / (c["wgmma_per_s"] * (WGMMA_N // MMA_N)))
     on_chip_pass = max(smem_pass + l2_pass, tensor)
     exchange = c["exchange_s"] + (B - 1) * c["exchange_per_request_s"]
     w2_load = head_bytes / c["hbm_copy_bytes_per_s"]
@@ -96,7 +106,9 @@ def report(constants: dict, rows=ROWS) -> str:
              f"- grid exchange: {c['exchange_s'] * 1e6:.2f} us + {c['exchange_per_request_s'] * 1e9:.2f} ns "
              "per further request",
              f"- mma.m16n8k16 (fp16, fp32 accumulate): {c['mma_per_s']:.3g} /s "
-             f"({c['mma_per_s'] * 2 * MMA_M * MMA_N * MMA_K / 1e12:.0f} TFLOP/s)",
+             f"({c['mma_per_s'] * 2 * MMA_M * MMA_N * MMA_K / 1e12:.0f} TFLOP/s), for B < {WGMMA_MIN_BATCH}",
+             f"- wgmma m64n64k16 (fp16, fp32 accumulate): {c['wgmma_per_s']:.3g} /s "
+             f"({c['wgmma_per_s'] * 2 * WGMMA_M * WGMMA_N * MMA_K / 1e12:.0f} TFLOP/s), for B >= {WGMMA_MIN_BATCH}",
              f"- cooperative launch gap: {c['coop_launch_gap_s'] * 1e6:.2f} us (not in the floors)", "",
              "| V | K | B | mode | bytes floor us | W2 load us | smem + L2 pass us | tensor us | exchange us "
              "| design floor us |",

@@ -84,6 +84,12 @@ def check_parity(reference_scores, assert_tokens_match):
         np.testing.assert_allclose(lg_got, lg_ref, rtol=2.0 ** -7 if narrow else LOGIT_RTOL,
                                    atol=LOGIT_ATOL * (100 if narrow else 1))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
+        if "temperature" not in kw:
+            # All-greedy walks with no logits out take the kernel's branch-free epilogue.
+            poison_device_memory(batch * steps * 4 * 2)
+            plain = jm.walk(base, anchor, head, impl="ffi", **walk_kw)
+            assert_tokens_match(scores, ref.tokens, plain.tokens, NEAR_TIE, rtol=NEAR_TIE, d2t=walk_kw.get("d2t"),
+                                max_mismatch_rows=max(1, int(limit * batch)))
         return near_ties
 
     return check
@@ -176,23 +182,31 @@ def test_padding_d2t_logit_scale(check_parity, batch):
     assert np.all(np.isneginf(np.asarray(got.logits[:, :, vocab - 77:])))
 
 
-def test_exact_ties_and_nan():
+# Batches 4 and 24 score with mma.sync and wgmma; greedy walks without logits take the branch-free
+# epilogue, with or without logits the general one.
+@pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (24, jnp.bfloat16), (24, jnp.float16)])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     rng = np.random.default_rng(5)
-    batch, steps, vocab = 4, 3, 50000
+    steps, vocab = 3, 50000
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=jnp.float32)
     zero_head = jm.QuantizedMarkovHead(head.w1, jnp.zeros_like(head.q), head.scale)
     base = np.array(base)
     base[0, :, [17, 4000, 49999]] = 50.0  # exact tie: lowest index wins
-    base[1, :, 31000] = np.nan
-    base[1, :, 45000] = np.nan  # first NaN wins
+    # First NaN wins, whatever its sign and payload: a negative NaN with a payload before a positive one.
+    base[1, :, 31000] = np.array(0xFFD00001, np.uint32).view(np.float32)
+    base[1, :, 45000] = np.nan
     base[2, :, :] = -np.inf  # all -inf: index 0
     base[3, :, :] = -1.0
     base[3, :, 12] = -0.0  # -0 ties with +0: the lower index wins
     base[3, :, 123] = 0.0
-    got = jm.walk(jnp.asarray(base), anchor, zero_head, impl="ffi")
-    ref = jm.walk(jnp.asarray(base), anchor, zero_head, impl="reference")
+    base = base.astype(jnp.dtype(base_dtype))  # on the host, which keeps the NaN's sign (the GPU's cast would not)
+    assert np.signbit(base[1, 0, 31000].astype(np.float32))
+    base = jnp.asarray(base)
+    got = jm.walk(base, anchor, zero_head, impl="ffi", return_logits=return_logits)
+    ref = jm.walk(base, anchor, zero_head, impl="reference")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    np.testing.assert_array_equal(np.asarray(got.tokens)[:, 0], [17, 31000, 0, 12])
+    np.testing.assert_array_equal(np.asarray(got.tokens)[:4, 0], [17, 31000, 0, 12])
 
 
 def test_jit_while_loop_and_vmap():

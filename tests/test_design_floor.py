@@ -27,7 +27,8 @@ def _has_gpu() -> bool:
 # Round numbers: V = 160000 gives 10000 row tiles and 40.96 MB of int8 W2 (+ 0.64 MB of scales);
 # 100 SMs x 200000 bytes keep 20 MB of it in shared memory, 20.96 MB stream from L2.
 CONSTANTS = dict(hbm_copy_bytes_per_s=4e12, smem_read_bytes_per_s=20e12, l2_read_bytes_per_s=10.48e12,
-                 exchange_s=1e-6, exchange_per_request_s=1e-8, mma_per_s=1.6e11, coop_launch_gap_s=3e-6)
+                 exchange_s=1e-6, exchange_per_request_s=1e-8, mma_per_s=1.6e11, wgmma_per_s=1e10,
+                 coop_launch_gap_s=3e-6)
 V, SM_COUNT, SMEM_PER_BLOCK = 160000, 100, 200000 + design_floor.FIXED_SMEM_BYTES
 
 
@@ -52,12 +53,19 @@ def test_hand_computed_memory_bound_step():
 
 
 def test_hand_computed_tensor_bound_step():
-    # B = 64: 8 column tiles, tensor 8 us per step beats the 3 us memory pass; exchange 1 + 63 x 0.01 us.
+    # B = 64 takes wgmma: 2500 64-row tiles x 8 column tiles x 16 k-steps / (8 x 1e10) = 4 us per step,
+    # above the 3 us memory pass; exchange 1 + 63 x 0.01 us.
     f = floor(7, 64)
-    assert f["tensor_us"] == pytest.approx(8.0)
-    assert f["on_chip_pass_us"] == pytest.approx(8.0)
+    assert f["tensor_us"] == pytest.approx(4.0)
+    assert f["on_chip_pass_us"] == pytest.approx(4.0)
     assert f["exchange_us"] == pytest.approx(1.63)
-    assert f["design_floor_us"] == pytest.approx(10.4 + 7 * (8.0 + 1.63))
+    assert f["design_floor_us"] == pytest.approx(10.4 + 7 * (4.0 + 1.63))
+
+
+def test_tensor_rate_follows_the_kernels_instruction():
+    # Up to 16 requests mma.m16n8k16 (10000 x 2 column tiles x 16 / 1.6e11 = 2 us), from 17 wgmma.
+    assert floor(7, 16)["tensor_us"] == pytest.approx(2.0)
+    assert floor(7, 17)["tensor_us"] == pytest.approx(2500 * 3 * 16 / 8e10 * 1e6)
 
 
 def test_bytes_floor_dominates_without_steps_or_with_huge_inputs():
@@ -111,6 +119,8 @@ def test_measure_on_gpu_gives_plausible_constants():
     assert 5e-8 < c["exchange_s"] < 1e-4
     assert 0 <= c["exchange_per_request_s"] < 1e-6
     assert 1e10 < c["mma_per_s"] < 1e13
+    # wgmma m64n64k16 is 32 m16n8k16 of work, and the faster way to do it.
+    assert c["mma_per_s"] < 32 * c["wgmma_per_s"] < 1e15
     assert 1e-7 < c["coop_launch_gap_s"] < 1e-4
     f = design_floor.design_floor_us(c, 151936, 7, 1, 151936 * 7 * 2, 7 * 4, c["sm_count"], c["smem_per_block"])
     assert all(math.isfinite(v) and v >= 0 for v in f.values())

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/probes.h"
+#include "cuda/wgmma.cuh"
 
 namespace jax_markov {
 namespace {
@@ -184,6 +185,32 @@ __global__ void MmaKernel(int iters, float* sink) {
   sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
+// Every warpgroup issues m64n64k16 wgmmas (A from registers, B from shared memory, all operands 1.0)
+// in groups of kMmaChains, keeping two groups in flight, so that the tensor cores, not the waits, set
+// the rate. The sums stay exact: 16 per wgmma, at most 2^21 wgmmas.
+__global__ void __launch_bounds__(kWalkThreads, 1) WgmmaKernel(int iters, float* sink) {
+  __shared__ __align__(128) uint32_t b[16 * 64 / 2];  // [16 x 64] fp16 ones: every layout reads 1.0
+  for (int i = threadIdx.x; i < 16 * 64 / 2; i += blockDim.x) b[i] = 0x3c003c00u;
+  FenceSharedForAsyncProxy();
+  __syncthreads();
+  uint32_t a;  // two fp16 1.0, set once: a constant rematerialized before every wgmma would need a fence
+  asm volatile("mov.b32 %0, 0x3c003c00;" : "=r"(a));
+  const uint64_t desc = WgmmaDescriptor(b, 128, 256);
+  float d[32];
+  WgmmaFence();
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int k = 0; k < kMmaChains; ++k) Wgmma<8, false>(d, a, a, a, a, desc, it > 0 || k > 0);
+    WgmmaCommit();
+    WgmmaWaitGroup<1>();
+  }
+  WgmmaWait<0>(d);
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) sum += d[i];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
 __global__ void EmptyKernel() {}
 
 // What the probes allocate, freed (and the caller's device restored) also when a probe throws.
@@ -344,6 +371,17 @@ double MmaPerSecond(Scope& s, int sm_count, int smem_per_block) {
   return double(sm_count) * (kWalkThreads / 32) * kMmaChains * kMmaIters / t;
 }
 
+double WgmmaPerSecond(Scope& s, int sm_count, int smem_per_block) {
+  const int smem = OnePerSmDynamicSmem(WgmmaKernel, kWalkThreads, smem_per_block);
+  float* sink = s.Alloc<float>(size_t(sm_count) * kWalkThreads);
+  const int iters = kMmaIters / 8;
+  const double t = SecondsPerCall(s, 5, [&] {
+    WgmmaKernel<<<sm_count, kWalkThreads, smem, s.stream>>>(iters, sink);
+    Check(cudaGetLastError(), "wgmma kernel launch");
+  });
+  return double(sm_count) * (kWalkThreads / 128) * kMmaChains * iters / t;
+}
+
 double CoopLaunchGapSeconds(Scope& s, int sm_count, int smem_per_block) {
   const int smem = OnePerSmDynamicSmem(EmptyKernel, kWalkThreads, smem_per_block);
   return SecondsPerCall(s, 200, [&] {
@@ -379,6 +417,7 @@ DesignConstants MeasureDesignConstants(int device) {
   const double exchange_max = ExchangeSeconds(s, c.sm_count, c.smem_per_block, kMaxRequests);
   c.exchange_per_request_s = std::max(0.0, (exchange_max - c.exchange_s) / (kMaxRequests - 1));
   c.mma_per_s = MmaPerSecond(s, c.sm_count, c.smem_per_block);
+  c.wgmma_per_s = WgmmaPerSecond(s, c.sm_count, c.smem_per_block);
   c.coop_launch_gap_s = CoopLaunchGapSeconds(s, c.sm_count, c.smem_per_block);
   return c;
 }

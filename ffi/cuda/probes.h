@@ -11,6 +11,7 @@ struct DesignConstants {
   double exchange_s = 0;              // one grid-wide exchange of one request (reduce, atomicMax, barrier)
   double exchange_per_request_s = 0;  // what each further request adds to it (fitted at 128 requests)
   double mma_per_s = 0;               // mma.m16n8k16 (fp16 in, fp32 accumulate) per second, all SMs together
+  double wgmma_per_s = 0;             // wgmma m64n64k16 (fp16 in, fp32 accumulate) per second, all SMs together
   double coop_launch_gap_s = 0;       // per back-to-back cooperative launch of an empty kernel
   int sm_count = 0;
   int smem_per_block = 0;  // opt-in maximum of shared memory per block, bytes

@@ -33,9 +33,11 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "common/walk_common.h"
 #include "cuda/markov_walk_cuda.h"
+#include "cuda/wgmma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_markov {
@@ -50,7 +52,7 @@ constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
-constexpr int kDirectBatch = 8;
+constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
 
@@ -158,72 +160,6 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
   }
 }
 
-// wgmma (sm_90a) for one warpgroup: D[64 x 8 NT] (+)= A[64 x 16] B[16 x 8 NT] in fp32, with fp16 (BF16: bf16)
-// inputs. Each warp gives 16 rows of A from registers in mma.m16n8k16's A layout and gets its 16 rows of
-// D in that instruction's accumulator layout, n-tile i in d[4i .. 4i + 3]; B comes from shared memory
-// through its descriptor. accumulate = 0 writes A B, ignoring d's old values.
-template <int NT, bool BF16>
-__device__ __forceinline__ void Wgmma(float (&d)[4 * NT], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                      uint64_t desc, int accumulate) {
-  if constexpr (BF16 && NT == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 2) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 4) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (BF16 && NT == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 2) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 4) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-  if constexpr (!BF16 && NT == 8) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
-  }
-
-}
-
 // Where the step's B fragments live in shared memory: the 32-bit word of column n, k = 2 kp + 8 half
 // (and k + 1) at k-step s. For wgmma (WG), per k-step a [16 x 8 NT] block in the canonical K-major
 // layout without swizzle: core matrices of 8 columns x 8 k (128 contiguous bytes, 16 per column), the
@@ -237,28 +173,23 @@ __device__ __forceinline__ int FragWord(int s, int n, int half, int kp) {
 template <int NT>
 constexpr int kFragStepBytes = 256 * NT;
 
-// The shared-memory descriptor of k-step 0's B block (bits 0-13: address / 16, 16-29: k-half stride / 16,
-// 32-45: column-group stride / 16, swizzle bits 0); k-step s adds s * kFragStepBytes / 16.
-__device__ __forceinline__ uint64_t FragDescriptor(const void* frag) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(frag));
-  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
-}
+// The shared-memory descriptor of k-step 0's B block for wgmma (k-halves 128 bytes apart, groups of 8
+// columns 256 bytes apart); k-step s adds s * kFragStepBytes / 16.
+__device__ __forceinline__ uint64_t FragDescriptor(const void* frag) { return WgmmaDescriptor(frag, 128, 256); }
 
 // k-steps kBatch h .. kBatch h + kBatch - 1 of a tile's dot products on the warpgroup's tensor cores,
 // A from op (k-step kBatch h + i: op[i]); waits for them, so that op's registers are free again and d
 // is complete. The empty asm after the wait keeps every read of d after it.
 template <int NT, bool BF16, int kBatch>
 __device__ __forceinline__ void WgmmaBatch(const uint32_t (&op)[kBatch][4], uint64_t desc, int h, float (&d)[4 * NT]) {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  WgmmaFence();
 #pragma unroll
   for (int i = 0; i < kBatch; ++i) {
     const int s = kBatch * h + i;
     Wgmma<NT, BF16>(d, op[i][0], op[i][1], op[i][2], op[i][3], desc + uint64_t(s * kFragStepBytes<NT> / 16), s > 0);
   }
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-  for (int i = 0; i < 4 * NT; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  WgmmaCommit();
+  WgmmaWait<0>(d);
 }
 
 __device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -348,8 +279,14 @@ __device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k
   }
 }
 
+// 2^n for n in [-126, 127], a normal float: multiplying by it gives ldexpf(x, n), in one instruction.
+__device__ __forceinline__ float Pow2(int n) { return __int_as_float((n + 127) << 23); }
+
 // The shift that brings the row's largest |e| into [2^(top - 1), 2^top) (at most max_shift; 0 for
 // a zero or non-finite row). Lane 0 records 2^-shift, which undoes it exactly after the dot product.
+// amax's biased exponent field is frexpf's exponent + 126 where amax is normal; a subnormal amax
+// reads as 2^-126 and gets max_shift either way (top + 126 > max_shift). With top <= 22 and
+// max_shift <= 126, shift and -shift are in Pow2's range.
 __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_shift, int lane, float* unscale) {
   float amax = 0.0f;
 #pragma unroll
@@ -357,12 +294,8 @@ __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_sh
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   int shift = 0;
-  if (amax > 0.0f && amax <= 3.0e38f) {
-    int exponent;
-    frexpf(amax, &exponent);
-    shift = min(top - exponent, max_shift);
-  }
-  if (lane == 0) *unscale = ldexpf(1.0f, -shift);
+  if (amax > 0.0f && amax <= 3.0e38f) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
+  if (lane == 0) *unscale = Pow2(-shift);
   return shift;
 }
 
@@ -377,9 +310,10 @@ __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int
   LoadRowAndEmbeds(a, b, k, lane, raw, e);
   const int shift = RowShift(e, 22, 126, lane, unscale + b);
   uint32_t words[3][2] = {};
+  const float up = Pow2(shift);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float scaled = ldexpf(e[i], shift);
+    const float scaled = e[i] * up;
     int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
 #pragma unroll
     for (int d = 0; d < 3; ++d) {
@@ -412,9 +346,10 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
   // (bf16's range is fp32's; the same shift does no harm there).
   const int shift = RowShift(e, 15, 100, lane, unscale + b);
   unsigned short hi[8], lo[8];
+  const float up = Pow2(shift);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float x = ldexpf(e[i], shift);
+    const float x = e[i] * up;
     hi[i] = NarrowBits<kBF16>(x);
     lo[i] = SPLIT ? NarrowBits<kBF16>(x - WidenBits<kBF16>(hi[i])) : 0;
   }
@@ -462,10 +397,18 @@ __device__ __forceinline__ void CpAsyncWaitPending(int n) {
   }
 }
 
-// Raw bits of a base logit as a float, with selects rather than a jump on the dtype.
+// Raw bits of a base logit of dtype BASE as a float: one instruction at most.
+template <int BASE>
+__device__ __forceinline__ float BaseToFloat(uint32_t bits) {
+  if constexpr (BASE == kF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  if constexpr (BASE == kBF16) return __uint_as_float(bits << 16);
+  return __uint_as_float(bits);
+}
+
+// The same for a dtype known at run time, with selects rather than a jump.
 __device__ __forceinline__ float BitsToFloat(uint32_t bits, int dtype) {
-  const float half = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  const float wide = __uint_as_float(dtype == kBF16 ? bits << 16 : bits);
+  const float half = BaseToFloat<kF16>(bits);
+  const float wide = dtype == kBF16 ? BaseToFloat<kBF16>(bits) : BaseToFloat<kF32>(bits);
   return dtype == kF16 ? half : wide;
 }
 
@@ -606,6 +549,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
+  constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
@@ -733,10 +677,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // With kDirectBatch <= kWarps, a warp walks at most one request.
-        row[0] = ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + first) * gridDim.x, lane));
+        // A warp walks at most kDirectPerWarp requests here.
 #pragma unroll
-        for (int u = 1; u < kRowsPerPass; ++u) row[u] = 0;
+        for (int u = 0; u < kRowsPerPass; ++u) {
+          const int b = first + u * kWarps;
+          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+        }
       } else {
         unsigned long long key[kRowsPerPass];
 #pragma unroll
@@ -789,7 +735,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
     if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
-    if constexpr (kWgmma) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
     Stamp(a, k, 3);
 
@@ -800,11 +746,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
     }
     unsigned long long best[kSlots];
-    float unscale_of[kSlots];  // each owned request's power-of-two unscale, for the whole step
+    // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
+    // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
+    // logit_scale * (scale * (dot * unscale)) does (scaling by 2^-shift is exact), one multiply fewer.
+    float unscale_of[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)];
+      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
     }
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
@@ -856,15 +805,22 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
       }
-      // The tile's chunks from shared memory (zeros for a warp past its tiles); only those that the
-      // caller reads are loaded.
-      const auto ResidentChunks = [&](uint4 (&q)[kChunks]) {
-        if (active) {
-#pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
+      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
+      // the chunks that `use` reads are loaded).
+      const auto WithChunks = [&](const auto& use) {
+        if (streamed) {
+          use(true, pre);
         } else {
+          uint4 q[kChunks];
+          if (active) {
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+          } else {
+#pragma unroll
+            for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
+          }
+          use(!kFragmentOrder, q);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
@@ -914,24 +870,20 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kSlots; ++i) {
               const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-              float va[2], vb[2];
+              float va[2] = {acc[nt][0], acc[nt][1]}, vb[2] = {acc[nt][2], acc[nt][3]};
+              if constexpr (kChains == 2) {
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                va[e] = acc[nt][e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][e] : 0.0f);
-                vb[e] = acc[nt][2 + e] + (kChains == 2 ? acc[(kChains - 1) * NT + nt][2 + e] : 0.0f);
+                for (int e = 0; e < 2; ++e) {
+                  va[e] += acc[NT + nt][e];
+                  vb[e] += acc[NT + nt][2 + e];
+                }
               }
               dot_a[i] = SPLIT ? va[0] + va[1] : va[c];
               dot_b[i] = SPLIT ? vb[0] + vb[1] : vb[c];
             }
           }
         };
-        if (streamed) {
-          TileDots(true, pre);
-        } else {
-          uint4 q[kChunks];
-          ResidentChunks(q);
-          TileDots(!kFragmentOrder, q);
-        }
+        WithChunks(TileDots);
       } else {
         float d[4 * NT];
 #pragma unroll
@@ -947,13 +899,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               op[i][3] = v.w;
             }
           };
-          if (streamed) {
-            BatchOperands(true, pre);
-          } else {
-            uint4 q[kChunks];
-            ResidentChunks(q);
-            BatchOperands(!kFragmentOrder, q);
-          }
+          WithChunks(BatchOperands);
           WgmmaBatch<NT, W2 == kW2BF16, kBatch>(op, frag_desc, h, d);
         }
 #pragma unroll
@@ -967,22 +913,30 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
-      if (plain) {
-        // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows
-        // past vocab_size (rows past V among them) are -inf, so their keys lose to any row below
-        // V; the slots of requests past the batch are never published.
+      // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
+      // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
+      // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
+      // never published.
+      const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
-            const float base = BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype);
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
         }
+      };
+      if (plain && a.base_dtype == kBF16) {
+        PlainEpilogue(std::integral_constant<int, kBF16>());
+      } else if (plain && a.base_dtype == kF16) {
+        PlainEpilogue(std::integral_constant<int, kF16>());
+      } else if (plain) {
+        PlainEpilogue(std::integral_constant<int, kF32>());
       } else {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
@@ -993,7 +947,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const int row = h ? row_b : row_a;
             if (row >= vocab) continue;
             const size_t index = (size_t(rq) * steps + k) * vocab + row;
-            const float bias = a.logit_scale * ((h ? scale_b : scale_a) * ((h ? dot_b[i] : dot_a[i]) * unscale_of[i]));
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
             float score = l;
