@@ -12,7 +12,7 @@ Phases of step k, per CTA (medians over CTAs, in us):
   issue    the next step's loads that do not depend on the choice (k = 0: the kernel's setup and
            the loads of the resident W2 tiles issued)
   wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier (batches up to
-           8 wait for the keys themselves, in `e ready`)
+           16 wait for the keys themselves, in `e ready`)
   e ready  the chosen token's key, its W1 row and the B fragments built from it
   score    the CTA's tiles scored and reduced to one key per request
   publish  the keys published and the arrival counted

@@ -1,0 +1,124 @@
+"""A/B of kernel versions on one GPU: the kernel's device time per launch, from ncu, for source trees
+built side by side and measured in alternating rounds (so that drift of the GPU hits every tree).
+
+Make one source tree per version, carry them to the GPU (for the device tool: under .dev/), then:
+
+    git archive REV | tar -x -C .dev/REV                                      # per version
+    python3 benchmarks/ab_kernels.py --out OUT --rounds 2 .dev/A .dev/B -- 151936,7,16,greedy ...
+
+Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/; every
+round runs `benchmarks/profile_kernel.py CONFIGS` of each tree under `ncu --metrics
+gpu__time_duration.sum` (3 chained walks per config, ceil(B / 64) launches per walk). OUT gets the
+raw durations (ab_durations.log) and the medians per config and tree, with the change against the
+first tree (ab_kernels.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CALLS = 3  # profile_kernel.py's chained walks per config
+MAX_COLUMNS = 64  # one launch walks up to 64 requests (bf16 W1: one column each)
+NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk", "--metrics", "gpu__time_duration.sum"]
+_DURATION = re.compile(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)")
+_UNIT_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+
+
+def launches(config: str) -> int:
+    """Kernel launches that profile_kernel.py makes for one config "V,K,B,mode[,head]"."""
+    batch = int(config.split(",")[2])
+    return CALLS * -(-batch // MAX_COLUMNS)
+
+
+def parse_durations(ncu_output: str) -> list[float]:
+    """Every gpu__time_duration.sum of an ncu report, in launch order, in microseconds."""
+    return [float(value.replace(",", "")) * _UNIT_US[unit] for unit, value in _DURATION.findall(ncu_output)]
+
+
+def per_config(durations: list[float], configs: list[str]) -> dict[str, list[float]]:
+    """Splits one run's durations into the launches of each config (in the order given)."""
+    expected = sum(launches(c) for c in configs)
+    if len(durations) != expected:
+        raise ValueError(f"ncu reported {len(durations)} kernel launches, the configs make {expected}")
+    out, i = {}, 0
+    for c in configs:
+        out[c] = durations[i:i + launches(c)]
+        i += launches(c)
+    return out
+
+
+def summary(runs: dict[str, list[dict[str, list[float]]]], configs: list[str]) -> str:
+    """Markdown: the median launch time (us) per config and tree over all rounds, and each tree's
+    change against the first tree."""
+    trees = list(runs)
+    head = "| config | " + " | ".join(trees) + " | " + " | ".join(f"{t} vs {trees[0]}" for t in trees[1:]) + " |"
+    lines = [head, "|" + "---|" * (2 * len(trees))]
+    for c in configs:
+        med = [statistics.median(v for run in runs[t] for v in run[c]) for t in trees]
+        change = [f"{100 * (m / med[0] - 1):+.1f} %" for m in med[1:]]
+        lines.append(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + " | " + " | ".join(change) + " |")
+    return "\n".join(lines)
+
+
+def build(tree: Path) -> None:
+    """Builds the tree's CUDA and CPU modules into /tmp and copies them into its jax_markov/."""
+    build_dir = Path("/tmp") / f"ab_build_{tree.resolve().name}"
+    cmake = ["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", f"-DPython_EXECUTABLE={sys.executable}",
+             "-DCMAKE_BUILD_TYPE=Release"]
+    for cmd in (cmake, ["ninja", "-C", str(build_dir), "_markov_cuda", "_markov_cpu"]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    for module in build_dir.glob("_markov_*.so"):
+        shutil.copy(module, tree / "jax_markov")
+
+
+def measure(tree: Path, configs: list[str]) -> tuple[str, dict[str, list[float]]]:
+    """One ncu run of profile_kernel.py in the tree: its raw report and the durations per config."""
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", *configs], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ncu in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout, per_config(parse_durations(done.stdout), configs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for ab_durations.log and ab_kernels.md")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("trees", nargs="+", help="source trees, then -- and the configs V,K,B,mode[,head]")
+    argv = sys.argv[1:]
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        p.error("no configs: give them after --")
+    args = p.parse_args(argv[:argv.index("--")])
+    configs = argv[argv.index("--") + 1:]
+    trees = [Path(t) for t in args.trees]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(len(trees)) as pool:
+        list(pool.map(build, trees))
+    runs = {t.name: [] for t in trees}
+    with open(out / "ab_durations.log", "w") as log:
+        log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py {' '.join(configs)}\n")
+        for r in range(args.rounds):
+            for t in trees:
+                _, durations = measure(t, configs)
+                runs[t.name].append(durations)
+                line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
+                log.write(f"== {t.name} round {r + 1}: {line}\n")
+                print(f"{t.name} round {r + 1} done", flush=True)
+    table = summary(runs, configs)
+    (out / "ab_kernels.md").write_text(f"# Kernel A/B ({args.rounds} rounds, median us per launch)\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

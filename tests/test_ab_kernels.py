@@ -1,0 +1,37 @@
+"""benchmarks/ab_kernels.py's bookkeeping (CPU): ncu durations to launches per config, and the summary."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab_kernels  # noqa: E402
+
+
+def ncu_report(values_with_units):
+    return "\n".join(f"  void MarkovWalkKernel<...>(WalkArgs) (132, 1, 1)x(384, 1, 1)\n"
+                     f"    gpu__time_duration.sum      {unit}      {value}" for value, unit in values_with_units)
+
+
+def test_durations_in_microseconds_per_config():
+    configs = ["151936,7,1,greedy", "151936,7,256,greedy"]  # 3 launches, then 3 walks of 4 launches
+    report = ncu_report([(61.5, "us"), (60.25, "usecond"), ("1,234.5", "ns")] + [(0.26, "ms")] * 12)
+    runs = ab_kernels.per_config(ab_kernels.parse_durations(report), configs)
+    assert runs["151936,7,1,greedy"] == pytest.approx([61.5, 60.25, 1.2345])
+    assert runs["151936,7,256,greedy"] == pytest.approx([260.0] * 12)
+
+
+def test_launch_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="reported 2 kernel launches, the configs make 3"):
+        ab_kernels.per_config([1.0, 2.0], ["5003,3,3,greedy"])
+
+
+def test_summary_medians_over_rounds_and_change_against_the_first_tree():
+    configs = ["a,1,1,greedy"]
+    runs = {"main": [{configs[0]: [100.0, 102.0, 98.0]}, {configs[0]: [101.0, 99.0, 100.0]}],
+            "new": [{configs[0]: [90.0, 91.0, 89.0]}, {configs[0]: [90.5, 89.5, 90.0]}]}
+    table = ab_kernels.summary(runs, configs).splitlines()
+    assert table[0] == "| config | main | new | new vs main |"
+    assert table[2] == "| a,1,1,greedy | 100.0 | 90.0 | -10.0 % |"
