@@ -80,14 +80,14 @@ def build(tree: Path) -> None:
         shutil.copy(module, tree / "jax_markov")
 
 
-def measure(tree: Path, configs: list[str]) -> tuple[str, dict[str, list[float]]]:
-    """One ncu run of profile_kernel.py in the tree: its raw report and the durations per config."""
+def measure(tree: Path, configs: list[str]) -> dict[str, list[float]]:
+    """One ncu run of profile_kernel.py in the tree: the launch durations per config."""
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", *configs], cwd=tree, env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ncu in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return done.stdout, per_config(parse_durations(done.stdout), configs)
+    return per_config(parse_durations(done.stdout), configs)
 
 
 def main() -> None:
@@ -110,7 +110,7 @@ def main() -> None:
         log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py {' '.join(configs)}\n")
         for r in range(args.rounds):
             for t in trees:
-                _, durations = measure(t, configs)
+                durations = measure(t, configs)
                 runs[t.name].append(durations)
                 line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
                 log.write(f"== {t.name} round {r + 1}: {line}\n")
