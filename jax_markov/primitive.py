@@ -68,7 +68,8 @@ def _ffi_call(params, *ops):
     """The custom call on operands as its device holds them (all of them, or its own rows)."""
     shapes = arguments.output_shapes(arguments.WalkOperands(*ops), params)
     return jax.ffi.ffi_call(native.TARGET, shapes)(
-        *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale))
+        *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale),
+        sampling=bool(params.sampling))
 
 
 # XLA cannot split an opaque custom call: it would gather every operand onto every device. Under

@@ -629,7 +629,7 @@ def _raw_call(base, anchor, w1, w2, scale, temperature, key, position, d2t, *, v
     outs = (jax.ShapeDtypeStruct((batch, steps), jnp.int32), jax.ShapeDtypeStruct(logits_shape, jnp.float32),
             jax.ShapeDtypeStruct((0,), w1.dtype))
     call = jax.ffi.ffi_call(native.TARGET, outs)
-    return jax.jit(lambda *a: call(*a, vocab_size=np.int64(vocab_size), logit_scale=np.float32(1.0)))(
+    return jax.jit(lambda *a: call(*a, vocab_size=np.int64(vocab_size), logit_scale=np.float32(1.0), sampling=False))(
         base, anchor, w1, w2, scale, temperature, key, position, d2t)
 
 
@@ -645,6 +645,9 @@ def test_handler_errors(rng):
     ok = _raw_call(base, anchor, w1, q, scale, t, key, pos, d2t, vocab_size=vocab)
     want = walk("reference", base, anchor, jax_markov.QuantizedMarkovHead(w1, q, scale), return_logits=True)
     check_parity(jax_markov.WalkResult(ok[0], None, None), want, {}, label="raw call")
+    # Without `sampling` every row is greedy, whatever the temperature operand holds.
+    hot = _raw_call(base, anchor, w1, q, scale, t + 1.0, key, pos, d2t, vocab_size=vocab)
+    check_parity(jax_markov.WalkResult(hot[0], None, None), want, {}, label="raw call, sampling off")
     bad = [
         (dict(scale=jnp.ones((vocab - 1,), jnp.float32)), "w2_scale"),
         (dict(w2=q[:, :-1]), "w2 must be"),

@@ -50,7 +50,11 @@ MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t posit
   const uint32_t x = Philox4x32Word0(v, position, kDraftStream, k0, k1);
   const float u = (static_cast<float>(x >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
 #if defined(__CUDA_ARCH__)
-  return -logf(-logf(u));
+  // The outer log takes the fast intrinsic (MUFU.LG2, two instructions against about fifteen): its
+  // error in g is at most 3 ulp of g (2^-21.4 absolute near w = 1), far inside the near-tie
+  // tolerance. The inner one keeps logf (within an ulp): w = -log(u) near u = 1 is tiny, and its
+  // relative error becomes g's absolute error.
+  return -__logf(-logf(u));
 #else
   return -std::log(-std::log(u));
 #endif

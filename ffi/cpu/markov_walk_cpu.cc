@@ -832,7 +832,7 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
                          ffi::AnyBuffer w2, ffi::AnyBuffer w2_scale, ffi::AnyBuffer temperature, ffi::AnyBuffer key,
                          ffi::AnyBuffer position, ffi::AnyBuffer d2t, ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size,
-                         float logit_scale) {
+                         float logit_scale, bool sampling) {
   // ---- operands
   const auto bd = base.dimensions();
   if (bd.size() != 3 || !IsFloat(base.element_type())) {
@@ -918,12 +918,12 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   p.logits = logits->untyped_data();
   p.embeds = embeds->untyped_data();
 
-  // ---- per-request constants
+  // ---- per-request constants (a walk given no temperatures, `sampling` false, is all greedy)
   std::vector<float> inv_t(B);
   std::vector<uint8_t> sampled(B);
   for (int64_t b = 0; b < B; ++b) {
     const float t = p.temperature[b];
-    sampled[b] = t > 0.0f;
+    sampled[b] = sampling && t > 0.0f;
     inv_t[b] = sampled[b] ? 1.0f / t : 0.0f;
   }
   std::vector<int32_t> prev(p.anchor, p.anchor + B);
@@ -1022,4 +1022,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarkovWalkCpu, jax_markov::MarkovWalkCpu,
                                   .Ret<ffi::AnyBuffer>()  // logits
                                   .Ret<ffi::AnyBuffer>()  // embeds
                                   .Attr<int64_t>("vocab_size")
-                                  .Attr<float>("logit_scale"));
+                                  .Attr<float>("logit_scale")
+                                  .Attr<bool>("sampling"));

@@ -81,7 +81,7 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
                               ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
                               ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
                               ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
-                              ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size, float logit_scale) {
+                              ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size, float logit_scale, bool sampling) {
   const auto bd = base.dimensions();
   const auto w1d = w1.dimensions();
   const auto w2d = w2.dimensions();
@@ -155,6 +155,7 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
   args.logits_dtype = want_logits ? logits_dtype : kF32;
   args.logit_scale = logit_scale;
+  args.sampling = sampling;
 #ifdef JAX_MARKOV_TIMELINE
   err = TimelineBuffer(props.sm_count, &args.timeline);
   if (err != cudaSuccess) return CudaError("timeline", err);
@@ -240,4 +241,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MarkovWalkCuda, jax_markov::walk::MarkovWalkCudaIm
                                   .Ret<ffi::AnyBuffer>()           // logits
                                   .Ret<ffi::AnyBuffer>()           // embeds
                                   .Attr<int64_t>("vocab_size")
-                                  .Attr<float>("logit_scale"));
+                                  .Attr<float>("logit_scale")
+                                  .Attr<bool>("sampling"));

@@ -51,6 +51,7 @@ constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
+constexpr int kMaxNoiseBytes = 20 * 1024;  // at V = 151936 on 132 SMs: up to 4 requests
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
@@ -90,6 +91,8 @@ struct WalkArgs {
   float logit_scale;
   int tiles_per_cta, resident_tiles;
   int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
+  int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
+  int noise_ahead;  // 1: each step's Gumbel noise of a CTA's rows is computed into shared memory first
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -472,6 +475,24 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
   }
 }
 
+// Step k's Gumbel noise of rows [first_row, first_row + rows) for every sampled request, into
+// noise[b][stage_rows]. It depends on neither the walk nor the weights, so a CTA computes it while it
+// waits for the grid's choice, with every thread, instead of in the scoring epilogue, where few lanes
+// own a request when the batch is small. A thread's rows share a request, so the Philox round keys
+// stay in registers.
+template <int THREADS>
+__device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int stage_rows, int first_row, int rows, int k,
+                                          const float* inv_t, const uint32_t* key0, const uint32_t* key1,
+                                          const uint32_t* pos) {
+  for (int b = 0; b < a.batch; ++b) {
+    if (!(inv_t[b] > 0.0f)) continue;
+    const uint32_t k0 = key0[b], k1 = key1[b], position = pos[b] + uint32_t(k);
+    for (int r = threadIdx.x; r < rows; r += THREADS) {
+      noise[b * stage_rows + r] = GumbelNoise(k0, k1, uint32_t(first_row + r), position);
+    }
+  }
+}
+
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
@@ -510,7 +531,7 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 }
 
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
-// logits (small batches), then the resident W2 tiles.
+// logits and the Gumbel noise (small batches), then the resident W2 tiles.
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
@@ -578,7 +599,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
-  unsigned char* resident = staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0);
+  float* noise = reinterpret_cast<float*>(staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
+  unsigned char* resident = reinterpret_cast<unsigned char*>(noise + (a.noise_ahead ? a.batch * stage_rows : 0));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -607,7 +629,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (b < batch) {
       prev[b] = a.anchor[b];
       const float temp = a.temperature[b];
-      inv_t[b] = temp > 0.0f ? 1.0f / temp : 0.0f;
+      inv_t[b] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
       key0[b] = a.key[2 * b];
       key1[b] = a.key[2 * b + 1];
       pos[b] = static_cast<uint32_t>(a.position[b]);
@@ -638,7 +660,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool plain = !__syncthreads_or(tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
+  const bool plain = !__syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
+  const auto NoiseAhead = [&](int k) {
+    if (a.noise_ahead) FillNoise<THREADS>(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos);
+  };
+  NoiseAhead(0);
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
@@ -653,6 +679,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+        NoiseAhead(k);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
       // exchange waits for the keys themselves below.
@@ -952,7 +979,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
             float score = l;
             if (inv_t[rq] > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k)));
+              const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
+                                                   : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
+              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
             }
             const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
             best[i] = packed > best[i] ? packed : best[i];
@@ -1057,7 +1086,12 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
   args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
-  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0);
+  // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), for a few
+  // more resident tiles.
+  const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
+  args.noise_ahead = args.sampling && noise_bytes <= kMaxNoiseBytes;
+  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0) +
+                    (args.noise_ahead ? noise_bytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
