@@ -114,6 +114,7 @@ def main() -> None:
                 runs[t.name].append(durations)
                 line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
                 log.write(f"== {t.name} round {r + 1}: {line}\n")
+                log.flush()  # a run cut short by a time limit keeps the rounds it finished
                 print(f"{t.name} round {r + 1} done", flush=True)
     table = summary(runs, configs)
     (out / "ab_kernels.md").write_text(f"# Kernel A/B ({args.rounds} rounds, median us per launch)\n\n{table}\n")
