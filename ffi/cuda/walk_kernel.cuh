@@ -23,6 +23,9 @@
 //   keys are the barrier, one L2 round trip. Larger batches publish one atomicMax per request, then
 //   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots; the last
 //   CTA to leave zeroes slots and counters, so the next call starts clean.
+// - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
+//   noise for the CTA's rows ahead, into shared memory, with every thread (FillNoise); larger ones
+//   compute it in the scoring epilogue.
 #pragma once
 
 #include <cuda_bf16.h>
