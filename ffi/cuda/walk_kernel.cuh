@@ -479,9 +479,9 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
 }
 
 // Step k's Gumbel noise of rows [first_row, first_row + rows) for every sampled request, into
-// noise[b][stage_rows]. It depends on neither the walk nor the weights, so a CTA computes it while it
+// noise[b][stage_rows]. It depends on neither the walk nor the weights, so a CTA computes it before it
 // waits for the grid's choice, with every thread, instead of in the scoring epilogue, where few lanes
-// own a request when the batch is small. A thread's rows share a request, so the Philox round keys
+// own a request when the batch is small (the wait does not hide it: benchmarks/NOTES.md, Session 9). A thread's rows share a request, so the Philox round keys
 // stay in registers.
 template <int THREADS>
 __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int stage_rows, int first_row, int rows, int k,
@@ -1089,8 +1089,8 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
   args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
-  // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), for a few
-  // more resident tiles.
+  // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), at the price of
+  // about one resident W2 tile per request.
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && noise_bytes <= kMaxNoiseBytes;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0) +
