@@ -479,18 +479,19 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
 }
 
 // Step k's Gumbel noise of rows [first_row, first_row + rows) for every sampled request, into
-// noise[b][stage_rows]. It depends on neither the walk nor the weights, so a CTA computes it before it
-// waits for the grid's choice, with every thread, instead of in the scoring epilogue, where few lanes
-// own a request when the batch is small (the wait does not hide it: benchmarks/NOTES.md, Session 9). A thread's rows share a request, so the Philox round keys
-// stay in registers.
-template <int THREADS>
+// noise[b][stage_rows], on `threads` threads from `thread`. It depends on neither the walk nor the
+// weights, so a CTA computes it with the warps that wait for the others to fetch the grid's choice,
+// instead of in the scoring epilogue, where few lanes own a request when the batch is small. A
+// thread's rows share a request, so the Philox round keys stay in registers; two rows at a time
+// give the scheduler two independent chains.
 __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int stage_rows, int first_row, int rows, int k,
                                           const float* inv_t, const uint32_t* key0, const uint32_t* key1,
-                                          const uint32_t* pos) {
+                                          const uint32_t* pos, int thread, int threads) {
   for (int b = 0; b < a.batch; ++b) {
     if (!(inv_t[b] > 0.0f)) continue;
     const uint32_t k0 = key0[b], k1 = key1[b], position = pos[b] + uint32_t(k);
-    for (int r = threadIdx.x; r < rows; r += THREADS) {
+#pragma unroll 2
+    for (int r = thread; r < rows; r += threads) {
       noise[b * stage_rows + r] = GumbelNoise(k0, k1, uint32_t(first_row + r), position);
     }
   }
@@ -664,10 +665,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool plain = !__syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
-  const auto NoiseAhead = [&](int k) {
-    if (a.noise_ahead) FillNoise<THREADS>(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos);
-  };
-  NoiseAhead(0);
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
@@ -682,7 +679,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
-        NoiseAhead(k);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
       // exchange waits for the keys themselves below.
@@ -761,6 +757,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (k == steps) {
       Stamp(a, k, 3);
       break;
+    }
+    // Step k's noise. The direct exchange's gathering warps (warp b fetches request b's choice)
+    // start a chain of L2 round trips (the keys, then the W1 row); the warps past them fill the
+    // noise meanwhile, where they are most of the CTA. Otherwise every warp fills it here.
+    if (a.noise_ahead) {
+      const int busy = k > 0 && direct && batch < kWarps / 2 ? batch * 32 : 0;
+      if (tid >= busy) {
+        FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid - busy, THREADS - busy);
+      }
     }
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
     if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
