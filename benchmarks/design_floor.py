@@ -11,14 +11,17 @@ For a walk of K steps over B requests, a vocabulary of V and rank r = 256:
     tensor(B)    = ceil(V / 16) * ceil(B / 8) * (r / 16) / mma_rate      B <= 16: mma.m16n8k16 per step
                  = ceil(V / 64) * ceil(B / 8) * (r / 16) / (8 * wgmma_rate)
                                                            B > 16: wgmma m64n64k16 (as m64n8k16 parts)
-    on_chip_pass = max(smem_share / smem_read + l2_share / l2_read, tensor(B))
+    noise(B)     = B * V / noise_rate for sampled rows, else 0               Gumbel noise per step
+    on_chip_pass = max(smem_share / smem_read + l2_share / l2_read, tensor(B), noise(B))
     exchange(B)  = exchange_s + (B - 1) * exchange_per_request_s         atomicMax per request + grid barrier
     design_floor = max(bytes_floor, w2_load + K * (on_chip_pass + exchange(B)))
 
 hbm_copy is bytes read + written per second of a 1 GiB device-to-device copy; smem_read and l2_read
 are bytes read per second by all SMs together; 12 KiB is the kernel's fixed shared-memory state. The
 kernel scores batches of up to WGMMA_MIN_BATCH - 1 requests with warp-level mma.sync and larger ones
-with wgmma, so the tensor time takes the rate of the instruction it uses.
+with wgmma, so the tensor time takes the rate of the instruction it uses. A sampled row needs one
+Gumbel noise value (SPEC.md: Philox4x32-10 and two logs) per request, vocabulary row and step;
+noise_rate is how many of them all SMs compute per second.
 
 `python3 benchmarks/design_floor.py` measures the constants on the first CUDA GPU and prints them and
 the floors of the benchmark's rows as markdown.
@@ -48,7 +51,8 @@ ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (1292
 def measure(device=None) -> dict | None:
     """Runs the probes on `device` (a JAX CUDA device, default the first; about a second) and returns
     hbm_copy_bytes_per_s, smem_read_bytes_per_s, l2_read_bytes_per_s, exchange_s,
-    exchange_per_request_s, mma_per_s, wgmma_per_s, coop_launch_gap_s, sm_count and smem_per_block.
+    exchange_per_request_s, mma_per_s, wgmma_per_s, noise_per_s, coop_launch_gap_s, sm_count and
+    smem_per_block.
     Without the CUDA module or a CUDA GPU it warns why (RuntimeWarning) and returns None."""
     reason = None
     if _markov_cuda is None:
@@ -67,11 +71,11 @@ def measure(device=None) -> dict | None:
 
 
 def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, out_bytes: int, sm_count: int,
-                    smem_per_block: int, w2_element_bytes: int = 1) -> dict:
+                    smem_per_block: int, w2_element_bytes: int = 1, sampled: bool = False) -> dict:
     """Bytes floor and design floor of one walk in microseconds, with the parts of the design floor
     (the formula of the module docstring). `constants` is what `measure` returns; base_bytes and
     out_bytes are the bytes of the base logits and of the outputs. w2_element_bytes = 2 is the
-    unquantized (fp16/bf16) walk: twice the W2 bytes and no scales."""
+    unquantized (fp16/bf16) walk: twice the W2 bytes and no scales. `sampled`: every request samples."""
     c = constants
     w2_bytes = V * RANK * w2_element_bytes
     head_bytes = w2_bytes + (4 * V if w2_element_bytes == 1 else 0)
@@ -84,13 +88,14 @@ def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, ou
     else:
         tensor = (math.ceil(V / WGMMA_M) * math.ceil(B / MMA_N) * (RANK // MMA_K)
                   / (c["wgmma_per_s"] * (WGMMA_N // MMA_N)))
-    on_chip_pass = max(smem_pass + l2_pass, tensor)
+    noise = B * V / c["noise_per_s"] if sampled else 0.0
+    on_chip_pass = max(smem_pass + l2_pass, tensor, noise)
     exchange = c["exchange_s"] + (B - 1) * c["exchange_per_request_s"]
     w2_load = head_bytes / c["hbm_copy_bytes_per_s"]
     bytes_floor = (head_bytes + base_bytes + out_bytes) / c["hbm_copy_bytes_per_s"]
     design = max(bytes_floor, w2_load + K * (on_chip_pass + exchange))
     return dict(bytes_floor_us=bytes_floor * 1e6, design_floor_us=design * 1e6, w2_load_us=w2_load * 1e6,
-                smem_pass_us=smem_pass * 1e6, l2_pass_us=l2_pass * 1e6, tensor_us=tensor * 1e6,
+                smem_pass_us=smem_pass * 1e6, l2_pass_us=l2_pass * 1e6, tensor_us=tensor * 1e6, noise_us=noise * 1e6,
                 on_chip_pass_us=on_chip_pass * 1e6, exchange_us=exchange * 1e6, smem_share_bytes=smem_share,
                 l2_share_bytes=l2_share)
 
@@ -109,17 +114,18 @@ def report(constants: dict, rows=ROWS) -> str:
              f"({c['mma_per_s'] * 2 * MMA_M * MMA_N * MMA_K / 1e12:.0f} TFLOP/s), for B < {WGMMA_MIN_BATCH}",
              f"- wgmma m64n64k16 (fp16, fp32 accumulate): {c['wgmma_per_s']:.3g} /s "
              f"({c['wgmma_per_s'] * 2 * WGMMA_M * WGMMA_N * MMA_K / 1e12:.0f} TFLOP/s), for B >= {WGMMA_MIN_BATCH}",
+             f"- Gumbel noise: {c['noise_per_s']:.3g} values/s, for sampled rows",
              f"- cooperative launch gap: {c['coop_launch_gap_s'] * 1e6:.2f} us (not in the floors)", "",
-             "| V | K | B | mode | bytes floor us | W2 load us | smem + L2 pass us | tensor us | exchange us "
-             "| design floor us |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| V | K | B | mode | bytes floor us | W2 load us | smem + L2 pass us | tensor us | noise us "
+             "| exchange us | design floor us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for V, K, B in rows:
         for mode in ("greedy", "probabilistic"):
             out_bytes = B * K * 4 + (B * K * V * 2 if mode == "probabilistic" else 0)
             f = design_floor_us(c, V, K, B, base_bytes=B * K * V * 2, out_bytes=out_bytes, sm_count=c["sm_count"],
-                                smem_per_block=c["smem_per_block"])
+                                smem_per_block=c["smem_per_block"], sampled=mode == "probabilistic")
             lines.append(f"| {V} | {K} | {B} | {mode} | {f['bytes_floor_us']:.1f} | {f['w2_load_us']:.1f} | "
-                         f"{f['smem_pass_us'] + f['l2_pass_us']:.2f} | {f['tensor_us']:.2f} | "
+                         f"{f['smem_pass_us'] + f['l2_pass_us']:.2f} | {f['tensor_us']:.2f} | {f['noise_us']:.2f} | "
                          f"{f['exchange_us']:.2f} | {f['design_floor_us']:.1f} |")
     return "\n".join(lines) + "\n"
 

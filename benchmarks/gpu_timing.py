@@ -196,7 +196,7 @@ def run_gpu(rows=ROWS, modes=MODES, repeats: int = 30, log=print, on_row=None):
                     design_us = design_floor.design_floor_us(
                         constants, vocab, steps, batch, base_bytes=batch * steps * vocab * 2, out_bytes=out,
                         sm_count=constants["sm_count"], smem_per_block=constants["smem_per_block"],
-                        w2_element_bytes=eb)["design_floor_us"]
+                        w2_element_bytes=eb, sampled=mode == "probabilistic")["design_floor_us"]
                 floors[eb] = (floor_bytes(vocab, steps, batch, mode, eb) / bandwidth * 1e6, design_us)
             timed = time_arms(ARMS, mode, *data, repeats=repeats)
             times = {arm: timed[arm][0] * 1e6 for arm in ARMS}
@@ -234,7 +234,8 @@ def write_report(bandwidth, constants, results, out_prefix: str, *, command: str
              " once, at the copy bandwidth; probabilistic rows sample every request at T = 0.8 and return bf16"
              " draft logits",
              "- design floor (benchmarks/design_floor.py): max(bytes floor, W2 load + K x (one on-chip pass over"
-             " W2 + one grid-wide exchange)), from constants the probe kernels measured on this GPU:", ""]
+             " W2 + one grid-wide exchange)), the pass taking the tensor-core time or, for probabilistic rows, the"
+             " Gumbel noise's time where that is longer, from constants the probe kernels measured on this GPU:", ""]
     if constants:
         lines += [design_floor.report(constants, rows=[]).split("\n\n")[0], ""]
     lines += ["| V | K | B | mode | arm | us/call | wall us/call | speedup vs eager | bytes floor us "

@@ -28,14 +28,15 @@ def _has_gpu() -> bool:
 # 100 SMs x 200000 bytes keep 20 MB of it in shared memory, 20.96 MB stream from L2.
 CONSTANTS = dict(hbm_copy_bytes_per_s=4e12, smem_read_bytes_per_s=20e12, l2_read_bytes_per_s=10.48e12,
                  exchange_s=1e-6, exchange_per_request_s=1e-8, mma_per_s=1.6e11, wgmma_per_s=1e10,
-                 coop_launch_gap_s=3e-6)
+                 noise_per_s=3.2e11, coop_launch_gap_s=3e-6)
 V, SM_COUNT, SMEM_PER_BLOCK = 160000, 100, 200000 + design_floor.FIXED_SMEM_BYTES
 
 
-def floor(K, B, *, V=V, base_bytes=None, out_bytes=None, constants=CONSTANTS):
+def floor(K, B, *, V=V, base_bytes=None, out_bytes=None, constants=CONSTANTS, sampled=False):
     base_bytes = B * K * V * 2 if base_bytes is None else base_bytes
     out_bytes = B * K * 4 if out_bytes is None else out_bytes
-    return design_floor.design_floor_us(constants, V, K, B, base_bytes, out_bytes, SM_COUNT, SMEM_PER_BLOCK)
+    return design_floor.design_floor_us(constants, V, K, B, base_bytes, out_bytes, SM_COUNT, SMEM_PER_BLOCK,
+                                        sampled=sampled)
 
 
 def test_hand_computed_memory_bound_step():
@@ -66,6 +67,17 @@ def test_tensor_rate_follows_the_kernels_instruction():
     # Up to 16 requests mma.m16n8k16 (10000 x 2 column tiles x 16 / 1.6e11 = 2 us), from 17 wgmma.
     assert floor(7, 16)["tensor_us"] == pytest.approx(2.0)
     assert floor(7, 17)["tensor_us"] == pytest.approx(2500 * 3 * 16 / 8e10 * 1e6)
+
+
+def test_sampled_rows_pay_for_their_noise():
+    # 160000 noise values per request and step at 3.2e11 / s: 0.5 us per request. At B = 1 the 3 us
+    # memory pass hides it; at B = 64 its 32 us per step exceed the 4 us tensor time.
+    assert floor(7, 1, sampled=True)["noise_us"] == pytest.approx(0.5)
+    assert floor(7, 1, sampled=True)["design_floor_us"] == pytest.approx(floor(7, 1)["design_floor_us"])
+    f = floor(7, 64, sampled=True)
+    assert f["noise_us"] == f["on_chip_pass_us"] == pytest.approx(32.0)
+    assert f["design_floor_us"] == pytest.approx(10.4 + 7 * (32.0 + 1.63))
+    assert floor(7, 64)["noise_us"] == 0
 
 
 def test_bytes_floor_dominates_without_steps_or_with_huge_inputs():
@@ -121,6 +133,8 @@ def test_measure_on_gpu_gives_plausible_constants():
     assert 1e10 < c["mma_per_s"] < 1e13
     # wgmma m64n64k16 is 32 m16n8k16 of work, and the faster way to do it.
     assert c["mma_per_s"] < 32 * c["wgmma_per_s"] < 1e15
+    # Philox4x32-10 and two logs take on the order of 100 instructions per value.
+    assert 1e10 < c["noise_per_s"] < 1e13
     assert 1e-7 < c["coop_launch_gap_s"] < 1e-4
     f = design_floor.design_floor_us(c, 151936, 7, 1, 151936 * 7 * 2, 7 * 4, c["sm_count"], c["smem_per_block"])
     assert all(math.isfinite(v) and v >= 0 for v in f.values())

@@ -44,6 +44,7 @@ NB_MODULE(_markov_cuda, m) {
         d["exchange_per_request_s"] = c.exchange_per_request_s;
         d["mma_per_s"] = c.mma_per_s;
         d["wgmma_per_s"] = c.wgmma_per_s;
+        d["noise_per_s"] = c.noise_per_s;
         d["coop_launch_gap_s"] = c.coop_launch_gap_s;
         d["sm_count"] = c.sm_count;
         d["smem_per_block"] = c.smem_per_block;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/walk_common.h"
 #include "cuda/probes.h"
 #include "cuda/wgmma.cuh"
 
@@ -29,6 +30,7 @@ constexpr int kMaxRequests = 128;   // the walk kernel's largest batch
 constexpr int kExchangeRounds = 1000;
 constexpr int kMmaChains = 8;
 constexpr int kMmaIters = 16384;
+constexpr int kNoisePerThread = 1024;
 constexpr size_t kCopyBytes = size_t(1) << 30;
 constexpr size_t kL2BufferBytes = size_t(24) << 20;
 constexpr size_t kReadBytesPerCall = size_t(16) << 30;  // ~2 ms from L2, ~0.5 ms from shared memory
@@ -211,6 +213,16 @@ __global__ void __launch_bounds__(kWalkThreads, 1) WgmmaKernel(int iters, float*
   sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
+// The walk's Gumbel noise (walk_common.h) of `per_thread` consecutive columns per thread, as a
+// sampled row needs one per (request, vocabulary row) and step, with the key and position as run-time
+// values, as in the walk; the xor of their bits is written out, so that the compiler keeps every one.
+__global__ void NoiseKernel(int per_thread, uint32_t key0, uint32_t key1, uint32_t position, uint32_t* sink) {
+  const uint32_t first = (blockIdx.x * blockDim.x + threadIdx.x) * uint32_t(per_thread);
+  uint32_t bits = 0;
+  for (int i = 0; i < per_thread; ++i) bits ^= __float_as_uint(GumbelNoise(key0, key1, first + i, position));
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = bits;
+}
+
 __global__ void EmptyKernel() {}
 
 // What the probes allocate, freed (and the caller's device restored) also when a probe throws.
@@ -382,6 +394,16 @@ double WgmmaPerSecond(Scope& s, int sm_count, int smem_per_block) {
   return double(sm_count) * (kWalkThreads / 128) * kMmaChains * iters / t;
 }
 
+double NoisePerSecond(Scope& s, int sm_count, int smem_per_block) {
+  const int smem = OnePerSmDynamicSmem(NoiseKernel, kWalkThreads, smem_per_block);
+  uint32_t* sink = s.Alloc<uint32_t>(size_t(sm_count) * kWalkThreads);
+  const double t = SecondsPerCall(s, 5, [&] {
+    NoiseKernel<<<sm_count, kWalkThreads, smem, s.stream>>>(kNoisePerThread, 0x8badf00du, 0x5eedu, 7u, sink);
+    Check(cudaGetLastError(), "noise kernel launch");
+  });
+  return double(sm_count) * kWalkThreads * kNoisePerThread / t;
+}
+
 double CoopLaunchGapSeconds(Scope& s, int sm_count, int smem_per_block) {
   const int smem = OnePerSmDynamicSmem(EmptyKernel, kWalkThreads, smem_per_block);
   return SecondsPerCall(s, 200, [&] {
@@ -418,6 +440,7 @@ DesignConstants MeasureDesignConstants(int device) {
   c.exchange_per_request_s = std::max(0.0, (exchange_max - c.exchange_s) / (kMaxRequests - 1));
   c.mma_per_s = MmaPerSecond(s, c.sm_count, c.smem_per_block);
   c.wgmma_per_s = WgmmaPerSecond(s, c.sm_count, c.smem_per_block);
+  c.noise_per_s = NoisePerSecond(s, c.sm_count, c.smem_per_block);
   c.coop_launch_gap_s = CoopLaunchGapSeconds(s, c.sm_count, c.smem_per_block);
   return c;
 }

@@ -12,6 +12,7 @@ struct DesignConstants {
   double exchange_per_request_s = 0;  // what each further request adds to it (fitted at 128 requests)
   double mma_per_s = 0;               // mma.m16n8k16 (fp16 in, fp32 accumulate) per second, all SMs together
   double wgmma_per_s = 0;             // wgmma m64n64k16 (fp16 in, fp32 accumulate) per second, all SMs together
+  double noise_per_s = 0;             // Gumbel noise values (Philox4x32-10 and two logs) per second, all SMs together
   double coop_launch_gap_s = 0;       // per back-to-back cooperative launch of an empty kernel
   int sm_count = 0;
   int smem_per_block = 0;  // opt-in maximum of shared memory per block, bytes

@@ -24,8 +24,8 @@
 //   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots; the last
 //   CTA to leave zeroes slots and counters, so the next call starts clean.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
-//   noise for the CTA's rows ahead, into shared memory, with every thread (FillNoise); larger ones
-//   compute it in the scoring epilogue.
+//   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
+//   grid's choice (FillNoise); larger ones compute it in the scoring epilogue.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -122,20 +122,29 @@ __device__ __forceinline__ void StampWarp(const WalkArgs&, int, int) {}
 
 __device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
-// Stores l in the logits dtype and returns the stored value (the walk chooses from it).
-__device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
-  if (dtype == kF32) {
-    __stcs(static_cast<float*>(p) + i, l);
+// l rounded to the logits dtype DTYPE, stored at p[i] if `store`; returns the rounded value (the walk
+// chooses from it).
+template <int DTYPE>
+__device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool store) {
+  if constexpr (DTYPE == kF32) {
+    if (store) __stcs(static_cast<float*>(p) + i, l);
     return l;
-  }
-  if (dtype == kBF16) {
+  } else if constexpr (DTYPE == kBF16) {
     const __nv_bfloat16 r = __float2bfloat16_rn(l);
-    __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
+    if (store) __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
     return __bfloat162float(r);
+  } else {
+    const __half r = __float2half_rn(l);
+    if (store) __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
+    return __half2float(r);
   }
-  const __half r = __float2half_rn(l);
-  __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
-  return __half2float(r);
+}
+
+// The same for a dtype known at run time.
+__device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
+  if (dtype == kF32) return StoreRoundedAs<kF32>(p, i, l, true);
+  if (dtype == kBF16) return StoreRoundedAs<kBF16>(p, i, l, true);
+  return StoreRoundedAs<kF16>(p, i, l, true);
 }
 
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
@@ -479,18 +488,19 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
 }
 
 // Step k's Gumbel noise of rows [first_row, first_row + rows) for every sampled request, into
-// noise[b][stage_rows]. It depends on neither the walk nor the weights, so a CTA computes it before it
-// waits for the grid's choice, with every thread, instead of in the scoring epilogue, where few lanes
-// own a request when the batch is small (the wait does not hide it: benchmarks/NOTES.md, Session 9). A thread's rows share a request, so the Philox round keys
-// stay in registers.
-template <int THREADS>
+// noise[b][stage_rows], on `threads` threads from `thread`. It depends on neither the walk nor the
+// weights, so a CTA computes it outside the scoring epilogue (where few lanes own a request when the
+// batch is small): with the warps that wait for the others to fetch the grid's choice, or before the
+// grid-wide wait. A thread's rows share a request, so the Philox round keys stay in registers; two
+// rows at a time give the scheduler two independent chains.
 __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int stage_rows, int first_row, int rows, int k,
                                           const float* inv_t, const uint32_t* key0, const uint32_t* key1,
-                                          const uint32_t* pos) {
+                                          const uint32_t* pos, int thread, int threads) {
   for (int b = 0; b < a.batch; ++b) {
     if (!(inv_t[b] > 0.0f)) continue;
     const uint32_t k0 = key0[b], k1 = key1[b], position = pos[b] + uint32_t(k);
-    for (int r = threadIdx.x; r < rows; r += THREADS) {
+#pragma unroll 2
+    for (int r = thread; r < rows; r += threads) {
       noise[b * stage_rows + r] = GumbelNoise(k0, k1, uint32_t(first_row + r), position);
     }
   }
@@ -577,6 +587,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
+  // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
+  constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
+  // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
+  // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
+  constexpr bool kFillWhileGathering = NT <= 2;
   // Resident tiles in flight per warp during step 0: 12 warps x 2 x 4 KB per SM cover HBM's latency.
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
@@ -663,11 +678,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool plain = !__syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f) && a.logits == nullptr;
-  const auto NoiseAhead = [&](int k) {
-    if (a.noise_ahead) FillNoise<THREADS>(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos);
-  };
-  NoiseAhead(0);
+  const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
+  const bool plain = !any_sampled && a.logits == nullptr;
+  // Scoring computes no noise when the fill has (or no row samples).
+  const bool noise_free = !any_sampled || a.noise_ahead;
+  if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, 0, inv_t, key0, key1, pos, tid, THREADS);
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
@@ -682,7 +697,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
         if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
-        NoiseAhead(k);
+        if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
       // exchange waits for the keys themselves below.
@@ -761,6 +776,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (k == steps) {
       Stamp(a, k, 3);
       break;
+    }
+    // Step k's noise. The direct exchange's gathering warps (warp b fetches request b's choice)
+    // start a chain of L2 round trips (the keys, then the W1 row); the warps past them fill the
+    // noise meanwhile, where they are most of the CTA. Otherwise (step 0, larger batches) every warp
+    // fills it here.
+    if (kFillWhileGathering && a.noise_ahead) {
+      const int busy = k > 0 && direct && batch < kWarps / 2 ? batch * 32 : 0;
+      if (tid >= busy) {
+        FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid - busy, THREADS - busy);
+      }
     }
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
     if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
@@ -961,13 +986,46 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
+      // Sampled rows whose noise is in shared memory and greedy rows with logits out: l_k, rounded to
+      // the logits dtype decltype(logits_dtype)::value (kNone: no logits out), and its Gumbel score,
+      // with selects and predicated stores rather than branches. The noise is read only for sampled
+      // requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
+      const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
+        constexpr int kOut = decltype(logits_dtype)::value;
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
+          const float it = inv_t[rq];
+          const int out_line = rq * steps + k;  // of logits [B, K, V]
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = h ? row_b : row_a;
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
+            const float score = it > 0.0f ? __fadd_rn(__fmul_rn(l, it), noise[rq * stage_rows + row - first_row]) : l;
+            const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
+            best[i] = key > best[i] ? key : best[i];
+          }
+        }
+      };
       if (plain && a.base_dtype == kBF16) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (plain && a.base_dtype == kF16) {
         PlainEpilogue(std::integral_constant<int, kF16>());
       } else if (plain) {
         PlainEpilogue(std::integral_constant<int, kF32>());
+      } else if (kNoiseFreeEpilogue && noise_free && a.logits == nullptr) {
+        NoiseFreeEpilogue(std::integral_constant<int, kNone>());
+      } else if (kNoiseFreeEpilogue && noise_free && a.logits_dtype == kF32) {
+        NoiseFreeEpilogue(std::integral_constant<int, kF32>());
+      } else if (kNoiseFreeEpilogue && noise_free && a.logits_dtype == kBF16) {
+        NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
+      } else if (kNoiseFreeEpilogue && noise_free) {
+        NoiseFreeEpilogue(std::integral_constant<int, kF16>());
       } else {
+        // Larger sampled batches compute their noise here, per (row, request); at 16 slots per thread,
+        // where the epilogue above would spill, every batch that samples or writes logits comes here.
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           const int rq = SlotRequest<SPLIT, DIGITS>(i, t);

@@ -1,0 +1,111 @@
+"""Where a walk kernel's warps stall, from ncu's warp-state sampling, in a few lines per config.
+
+For each config "V,K,B,mode[,head]" this runs `benchmarks/profile_kernel.py` under
+`ncu --set full --import-source yes` on the third launch (the first two warm up), then prints:
+the launch's headline metrics (duration, issue slots busy, warps per scheduler), the samples per
+run of instructions with the same execution count (a loop body or a branch's side, largest
+first), and the hottest instructions. The raw SASS-level CSV goes next to the summary, so that
+it can be read again without a GPU.
+
+    python3 benchmarks/stall_profile.py --out OUT 151936,7,1,probabilistic 151936,7,1,greedy
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk", "--launch-skip", "2", "--launch-count",
+       "1"]
+HEADLINE = ("Duration", "Issue Slots Busy", "Issued Ipc Active", "No Eligible", "Active Warps Per Scheduler",
+            "Warp Cycles Per Issued Instruction", "Registers Per Thread")
+
+
+def run(cmd: list[str], env: dict | None = None) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def column(header: list[str], *words: str) -> int:
+    """Index of the first column whose name contains every word."""
+    for i, name in enumerate(header):
+        if all(w in name for w in words):
+            return i
+    raise KeyError(f"no column with {words} in {header}")
+
+
+def summarize(sass_csv: str, top: int = 25) -> str:
+    """Samples per run of equal execution counts, and the hottest instructions."""
+    lines = sass_csv.splitlines()
+    start = next(i for i, line in enumerate(lines) if '"Address"' in line and '"Source"' in line)
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+    src, samples, executed = (column(header, "Source"), column(header, "Stall Sampling", "All"),
+                              column(header, "Instructions Executed"))
+
+    def number(text: str) -> float:
+        return float(text.replace(",", "") or 0)
+
+    total = sum(number(r[samples]) for r in body)
+    runs: list[list] = []  # [execution count, instructions, samples]
+    for r in body:
+        count = number(r[executed])
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+            runs[-1][2] += number(r[samples])
+        else:
+            runs.append([count, 1, number(r[samples])])
+    merged: dict[float, list] = {}
+    for count, n, s in runs:
+        entry = merged.setdefault(count, [0, 0.0])
+        entry[0] += n
+        entry[1] += s
+    out = [f"total samples {total:.0f}"]
+    for count, (n, s) in sorted(merged.items(), key=lambda kv: -kv[1][1])[:12]:
+        out.append(f"exec={count:>9.0f} ninstr={n:>5} samples={s:>7.0f} {100 * s / max(total, 1):5.1f}%")
+    for r in sorted(body, key=lambda r: -number(r[samples]))[:top]:
+        out.append(f"{number(r[samples]):>6.0f} {number(r[executed]):>8.0f} {r[src].strip()}")
+    return "\n".join(out)
+
+
+def headline(details: str) -> str:
+    return "\n".join(line.rstrip() for line in details.splitlines() if line.strip().startswith(HEADLINE))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for the summaries and the raw CSVs")
+    p.add_argument("configs", nargs="+", help='"V,K,B,mode[,head]" as profile_kernel.py takes them')
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for config in args.configs:
+        name = config.replace(",", "_")
+        report = out / f"stall_{name}"
+        run(NCU + ["--set", "full", "--import-source", "yes", "-f", "-o", str(report), sys.executable,
+                   str(Path(__file__).with_name("profile_kernel.py")), config], env)
+        rep = f"{report}.ncu-rep"
+        sass = run(["ncu", "-i", rep, "--page", "source", "--csv", "--print-source", "sass"])
+        details = run(["ncu", "-i", rep, "--page", "details"])
+        with gzip.open(out / f"stall_{name}.csv.gz", "wt") as f:
+            f.write(sass)
+        os.remove(rep)
+        try:
+            summary = summarize(sass)
+        except (KeyError, StopIteration) as e:  # an ncu whose CSV differs: the raw CSV still came back
+            summary = f"no summary ({e!r}); the CSV begins:\n" + "\n".join(sass.splitlines()[:5])
+        text = f"## {config}\n# {' '.join(NCU)} --set full --import-source yes\n{headline(details)}\n{summary}\n"
+        (out / f"stall_{name}.md").write_text(text)
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
