@@ -2,9 +2,9 @@
 
 For each config "V,K,B,mode[,head]" this runs `benchmarks/profile_kernel.py` under
 `ncu --set full --import-source yes` on the third launch (the first two warm up), then prints:
-the launch's headline metrics (duration, issue slots busy, warps per scheduler), the samples per
-run of instructions with the same execution count (a loop body or a branch's side, largest
-first), and the hottest instructions. The raw SASS-level CSV goes next to the summary, so that
+the launch's headline metrics (duration, issue slots busy, warps per scheduler), the samples of
+the instructions with each execution count (a loop body or a branch's side, largest first), and
+the hottest instructions. The raw SASS-level CSV goes next to the summary, so that
 it can be read again without a GPU.
 
     python3 benchmarks/stall_profile.py --out OUT 151936,7,1,probabilistic 151936,7,1,greedy
@@ -42,33 +42,26 @@ def column(header: list[str], *words: str) -> int:
 
 
 def summarize(sass_csv: str, top: int = 25) -> str:
-    """Samples per run of equal execution counts, and the hottest instructions."""
+    """Samples per execution count (with the number of instructions that have it), and the hottest
+    instructions."""
     lines = sass_csv.splitlines()
     start = next(i for i, line in enumerate(lines) if '"Address"' in line and '"Source"' in line)
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
-    src, samples, executed = (column(header, "Source"), column(header, "Stall Sampling", "All"),
-                              column(header, "Instructions Executed"))
+    src, samples = column(header, "Source"), column(header, "Stall Sampling", "All")
+    executed = header.index("Instructions Executed")
 
     def number(text: str) -> float:
         return float(text.replace(",", "") or 0)
 
     total = sum(number(r[samples]) for r in body)
-    runs: list[list] = []  # [execution count, instructions, samples]
+    per_count: dict[float, list] = {}  # execution count -> [instructions, samples]
     for r in body:
-        count = number(r[executed])
-        if runs and runs[-1][0] == count:
-            runs[-1][1] += 1
-            runs[-1][2] += number(r[samples])
-        else:
-            runs.append([count, 1, number(r[samples])])
-    merged: dict[float, list] = {}
-    for count, n, s in runs:
-        entry = merged.setdefault(count, [0, 0.0])
-        entry[0] += n
-        entry[1] += s
+        entry = per_count.setdefault(number(r[executed]), [0, 0.0])
+        entry[0] += 1
+        entry[1] += number(r[samples])
     out = [f"total samples {total:.0f}"]
-    for count, (n, s) in sorted(merged.items(), key=lambda kv: -kv[1][1])[:12]:
+    for count, (n, s) in sorted(per_count.items(), key=lambda kv: -kv[1][1])[:12]:
         out.append(f"exec={count:>9.0f} ninstr={n:>5} samples={s:>7.0f} {100 * s / max(total, 1):5.1f}%")
     for r in sorted(body, key=lambda r: -number(r[samples]))[:top]:
         out.append(f"{number(r[samples]):>6.0f} {number(r[executed]):>8.0f} {r[src].strip()}")

@@ -1,0 +1,37 @@
+"""benchmarks/stall_profile.py's summary of an ncu SASS source page (CPU)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import stall_profile  # noqa: E402
+
+# The shape of `ncu --page source --csv --print-source sass`: a kernel line, then one row per instruction.
+CSV = "\n".join([
+    '"Kernel Name","void MarkovWalkKernel<1, 0, 1, 0, 384>(WalkArgs)",',
+    '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+    '"Instructions Executed","Thread Instructions Executed"',
+    '"0x10","LDS R1, [R2]","30","20","66,472","2,127,104"',
+    '"0x20","IMMA.16832.S8.S8 R4, R8, R12, R4","10","5","48,972","1,567,104"',
+    '"0x30","FADD R1, R1, R3","1,200","900","66,472","2,127,104"',
+    '"0x40","BAR.SYNC 0x0","60","60","11,088","354,816"',
+])
+
+
+def test_samples_grouped_by_execution_count_largest_first():
+    lines = stall_profile.summarize(CSV, top=2).splitlines()
+    assert lines[0] == "total samples 1300"
+    # The two instructions executed 66472 times, apart in the listing, are one entry.
+    assert lines[1].split() == ["exec=", "66472", "ninstr=", "2", "samples=", "1230", "94.6%"]
+    assert lines[2].split()[1] == "11088" and lines[3].split()[1] == "48972"
+    # The hottest instructions, with their samples and execution counts; the thread count is not used.
+    assert lines[4].split()[:3] == ["1200", "66472", "FADD"]
+    assert lines[5].split()[:3] == ["60", "11088", "BAR.SYNC"]
+    assert len(lines) == 6
+
+
+def test_headline_keeps_only_the_named_metrics():
+    details = "    Duration   us   73.50\n    L1 Hit Rate   %   99\n    Registers Per Thread   register/thread   164"
+    assert stall_profile.headline(details).splitlines() == ["    Duration   us   73.50",
+                                                             "    Registers Per Thread   register/thread   164"]
