@@ -72,7 +72,7 @@ __host__ __device__ constexpr int TileChunks(int w2) { return 8 * W2Bytes(w2); }
 // Timeline builds (cmake -DJAX_MARKOV_TIMELINE=ON, benchmarks/timeline.py): thread 0 of every CTA
 // stamps %globaltimer at each phase of each step, lane 0 of every warp when its tiles are scored.
 constexpr int kPhases = 6;  // step start, prefetches issued, wait over, e ready, scored, arrived
-constexpr int kMaxWarps = 12;
+constexpr int kMaxWarps = 16;
 
 struct WalkArgs {
   const void* base;  // [B, K, V]
@@ -592,7 +592,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
-  // Resident tiles in flight per warp during step 0: 12 warps x 2 x 4 KB per SM cover HBM's latency.
+  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
+  // latency.
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
@@ -1134,8 +1135,10 @@ inline ffi::Error Invalid(const std::string& msg) {
 
 template <int NT, bool SPLIT, bool DIGITS, int W2>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
-  // 12 warps where registers allow; 16-bit W2 tiles hold twice the registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 384 : 256;
+  // 16 warps for int8 W2 up to 16 columns (at most 128 registers; the digit kernel and NT = 2 spill
+  // 36 and 24 bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles
+  // and wider batches hold more registers per lane.
+  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads>;
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
