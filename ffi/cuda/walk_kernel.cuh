@@ -654,11 +654,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // A float W2 has no scales: 1 leaves its dot products as they are.
-  for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
-  }
-
   // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
   // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
   // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
@@ -678,6 +673,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+  // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
+  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
+  for (int i = tid; i < stage_rows; i += THREADS) {
+    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+  }
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
