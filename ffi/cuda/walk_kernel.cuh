@@ -54,7 +54,7 @@ constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
-constexpr int kMaxNoiseBytes = 20 * 1024;  // at V = 151936 on 132 SMs: up to 4 requests
+constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 requests
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
