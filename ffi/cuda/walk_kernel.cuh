@@ -1136,9 +1136,9 @@ inline ffi::Error Invalid(const std::string& msg) {
 
 template <int NT, bool SPLIT, bool DIGITS, int W2>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
-  // 16 warps for int8 W2 up to 16 columns (at most 128 registers; the digit kernel and NT = 2 spill
-  // 36 and 24 bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles
-  // and wider batches hold more registers per lane.
+  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
+  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
+  // batches hold more registers per lane.
   constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
