@@ -35,7 +35,7 @@ from jax_markov import native
 
 PHASES = 6  # walk_kernel.cuh: kPhases
 MAX_STEPS = 16  # kMaxSteps
-MAX_WARPS = 12  # kMaxWarps
+MAX_WARPS = 16  # kMaxWarps
 COLUMNS = ("issue", "wait", "e ready", "score", "publish")
 
 

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common/walk_common.h"
 #include "cuda/markov_walk_cuda.h"
@@ -54,7 +55,7 @@ constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
-constexpr int kMaxNoiseBytes = 20 * 1024;  // at V = 151936 on 132 SMs: up to 4 requests
+constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 requests
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
@@ -72,7 +73,7 @@ __host__ __device__ constexpr int TileChunks(int w2) { return 8 * W2Bytes(w2); }
 // Timeline builds (cmake -DJAX_MARKOV_TIMELINE=ON, benchmarks/timeline.py): thread 0 of every CTA
 // stamps %globaltimer at each phase of each step, lane 0 of every warp when its tiles are scored.
 constexpr int kPhases = 6;  // step start, prefetches issued, wait over, e ready, scored, arrived
-constexpr int kMaxWarps = 12;
+constexpr int kMaxWarps = 16;
 
 struct WalkArgs {
   const void* base;  // [B, K, V]
@@ -93,7 +94,6 @@ struct WalkArgs {
   int base_dtype, w1_dtype, logits_dtype;
   float logit_scale;
   int tiles_per_cta, resident_tiles;
-  int stage_base;  // 1: each step's base-logit slice of a CTA is copied into shared memory first
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead;  // 1: each step's Gumbel noise of a CTA's rows is computed into shared memory first
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
@@ -509,12 +509,12 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
-template <bool SPLIT, bool DIGITS, int kSlots>
+template <bool SPLIT, bool DIGITS, int kSlots, bool STAGED>
 __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, int stage_rows,
                                              int first_row, int k, int row0, int g, int t, uint32_t (&ba)[kSlots],
                                              uint32_t (&bb)[kSlots]) {
   const int ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
-  if (a.stage_base) {
+  if constexpr (STAGED) {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const int offset = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1) * stage_rows - first_row;
@@ -574,10 +574,11 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
+  static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
@@ -592,7 +593,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
-  // Resident tiles in flight per warp during step 0: 12 warps x 2 x 4 KB per SM cover HBM's latency.
+  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
+  // latency.
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
@@ -617,7 +619,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
-  float* noise = reinterpret_cast<float*>(staged + (a.stage_base ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
+  float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
   unsigned char* resident = reinterpret_cast<unsigned char*>(noise + (a.noise_ahead ? a.batch * stage_rows : 0));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -653,11 +655,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // A float W2 has no scales: 1 leaves its dot products as they are.
-  for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
-  }
-
   // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
   // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
   // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
@@ -672,11 +669,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     }
     CpAsyncCommit();
   };
-  if (a.stage_base && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
-  if (!a.stage_base && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
+  if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
+  if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+  // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
+  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
+  for (int i = tid; i < stage_rows; i += THREADS) {
+    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+  }
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
@@ -691,7 +693,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       Stamp(a, k, 0);
       // Step k's inputs that do not depend on the choice start moving before the wait.
       if (k < steps && my_tiles > 0) {
-        if (a.stage_base) {
+        if constexpr (STAGED) {
           StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
@@ -788,7 +790,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       }
     }
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
-    if (a.stage_base) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    if (STAGED) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
@@ -816,7 +818,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int next_tile = tiles.Local(next_streamed, 0);
     uint32_t base_a[kSlots], base_b[kSlots];
     if (kBaseAhead && tiles.total() > 0) {
-      LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
+      LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
@@ -836,12 +838,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
           ++im;
         }
-        if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
+        if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
           next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
           if (kBaseAhead) {
-            LoadBaseBits<SPLIT, DIGITS, kSlots>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+            LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
           }
         }
       }
@@ -1134,24 +1136,32 @@ inline ffi::Error Invalid(const std::string& msg) {
 
 template <int NT, bool SPLIT, bool DIGITS, int W2>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
-  // 12 warps where registers allow; 16-bit W2 tiles hold twice the registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 384 : 256;
+  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
+  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
+  // batches hold more registers per lane.
+  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
-  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads>;
   const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
   args.tiles_per_cta = (total_tiles + grid - 1) / grid;
   const int rows_per_cta = args.tiles_per_cta * kTileRows;
-  // Small batches stage each step's base logits in shared memory (one bulk copy per step, issued
-  // before the grid-wide wait), at the price of a few resident W2 tiles.
+  // Small batches (kernels of up to 16 columns) stage each step's base logits in shared memory (one
+  // bulk copy per step, issued before the grid-wide wait), at the price of a few resident W2 tiles.
+  // The staging is a template parameter: were it chosen at run time, the registers that take the
+  // staged logits would also take global loads, and every wait on them would wait for the global
+  // loads in flight (the streamed tiles' prefetch among them).
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
-  args.stage_base = (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false>;
+  if constexpr (NT <= 2) {
+    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true>;
+  }
   // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), at the price of
   // about one resident W2 tile per request.
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && noise_bytes <= kMaxNoiseBytes;
-  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (args.stage_base ? stage_bytes : 0) +
+  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
@@ -1159,16 +1169,16 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
   // SM, once per device: these calls cost host time on every launch otherwise.
   static std::mutex mu;
-  static std::map<int, cudaError_t> prepared;
+  static std::map<std::pair<int, bool>, cudaError_t> prepared;  // per device and staging
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = prepared.find(device);
+    auto it = prepared.find({device, stage});
     if (it == prepared.end()) {
       cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
       int per_sm = 0;
       if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, props.smem_per_block);
       if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
-      it = prepared.emplace(device, err).first;
+      it = prepared.emplace(std::make_pair(device, stage), err).first;
     }
     if (it->second != cudaSuccess) return CudaError("preparing the kernel", it->second);
   }
