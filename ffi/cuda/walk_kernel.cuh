@@ -815,12 +815,20 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
     // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
     // logit_scale * (scale * (dot * unscale)) does (scaling by 2^-shift is exact), one multiply fewer.
-    float unscale_of[kSlots];
+    // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
+    // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
+    // that spill store waited for their global load (8 % of the B = 16 greedy samples).
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
+    float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
     }
+    const auto UnscaleOf = [&](int i) {
+      if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      else return unscale_of[i];
+    };
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
@@ -986,10 +994,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
+          const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
@@ -1008,10 +1017,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
           const float it = inv_t[rq];
           const int out_line = rq * steps + k;  // of logits [B, K, V]
+          const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
             const float score = it > 0.0f ? __fadd_rn(__fmul_rn(l, it), noise[rq * stage_rows + row - first_row]) : l;
@@ -1046,12 +1056,13 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           for (int j = 0; j < kNoiseGroup; ++j) {
             const int i = i0 + j, rq = SlotRequest<SPLIT, DIGITS>(i, t);
             if (rq >= batch) continue;
+            const float unscale_i = UnscaleOf(i);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int row = h ? row_b : row_a;
               if (row >= vocab) continue;
               const size_t index = (size_t(rq) * steps + k) * vocab + row;
-              const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+              const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
               float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
               l = StoreRoundedSelect(a.logits, index, a.logits_dtype, l, a.logits != nullptr);
               float score = l;
