@@ -7,8 +7,10 @@
 
 #if defined(__CUDACC__)
 #define MARKOV_HD __host__ __device__ __forceinline__
+#define MARKOV_UNROLL _Pragma("unroll")
 #else
 #define MARKOV_HD inline
+#define MARKOV_UNROLL
 #endif
 
 namespace jax_markov {
@@ -27,37 +29,68 @@ MARKOV_HD void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
 #endif
 }
 
-// First output word of Philox4x32-10 (Random123) at counter (c0, c1, c2, 0) and key (k0, k1).
-MARKOV_HD uint32_t Philox4x32Word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t k0, uint32_t k1) {
-  uint32_t c3 = 0;
-  for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    MulHiLo(0xD2511F53u, c0, &hi0, &lo0);
-    MulHiLo(0xCD9E8D57u, c2, &hi1, &lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+// First output words of Philox4x32-10 (Random123) for N independent inputs: counter (c0[i], c1[i],
+// c2, 0) and key (k0[i], k1[i]), the result in c0[i]. The rounds run in lockstep over the N inputs,
+// so that the compiler sees N independent chains of dependent multiplies side by side.
+template <int N>
+MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], uint32_t c2_in, const uint32_t (&k0_in)[N],
+                               const uint32_t (&k1_in)[N]) {
+  uint32_t c1[N], c2[N], c3[N], k0[N], k1[N];
+  MARKOV_UNROLL
+  for (int i = 0; i < N; ++i) {
+    c1[i] = c1_in[i];
+    c2[i] = c2_in;
+    c3[i] = 0;
+    k0[i] = k0_in[i];
+    k1[i] = k1_in[i];
   }
-  return c0;
+  MARKOV_UNROLL
+  for (int round = 0; round < 10; ++round) {
+    MARKOV_UNROLL
+    for (int i = 0; i < N; ++i) {
+      uint32_t hi0, lo0, hi1, lo1;
+      MulHiLo(0xD2511F53u, c0[i], &hi0, &lo0);
+      MulHiLo(0xCD9E8D57u, c2[i], &hi1, &lo1);
+      const uint32_t n0 = hi1 ^ c1[i] ^ k0[i], n2 = hi0 ^ c3[i] ^ k1[i];
+      c0[i] = n0;
+      c1[i] = lo1;
+      c2[i] = n2;
+      c3[i] = lo0;
+      k0[i] += 0x9E3779B9u;
+      k1[i] += 0xBB67AE85u;
+    }
+  }
 }
 
-// g(v) = -log(-log(u)), u = (float(x >> 9) + 0.5) * 2^-23, x = Philox word 0 at (v, position, stream, 0).
-MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t position) {
-  const uint32_t x = Philox4x32Word0(v, position, kDraftStream, k0, k1);
-  const float u = (static_cast<float>(x >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
+// g(v) = -log(-log(u)), u = (float(x >> 9) + 0.5) * 2^-23, x = Philox word 0 at (v, position, stream, 0),
+// for N independent (key, v, position) at once (see Philox4x32Word0).
+template <int N>
+MARKOV_HD void GumbelNoise(const uint32_t (&k0)[N], const uint32_t (&k1)[N], const uint32_t (&v)[N],
+                           const uint32_t (&position)[N], float (&g)[N]) {
+  uint32_t x[N];
+  MARKOV_UNROLL
+  for (int i = 0; i < N; ++i) x[i] = v[i];
+  Philox4x32Word0<N>(x, position, kDraftStream, k0, k1);
+  MARKOV_UNROLL
+  for (int i = 0; i < N; ++i) {
+    const float u = (static_cast<float>(x[i] >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
 #if defined(__CUDA_ARCH__)
-  // The outer log takes the fast intrinsic (MUFU.LG2, two instructions against about fifteen): its
-  // error in g is at most 3 ulp of g (2^-21.4 absolute near w = 1), far inside the near-tie
-  // tolerance. The inner one keeps logf (within an ulp): w = -log(u) near u = 1 is tiny, and its
-  // relative error becomes g's absolute error.
-  return -__logf(-logf(u));
+    // The outer log takes the fast intrinsic (MUFU.LG2, two instructions against about fifteen): its
+    // error in g is at most 3 ulp of g (2^-21.4 absolute near w = 1), far inside the near-tie
+    // tolerance. The inner one keeps logf (within an ulp): w = -log(u) near u = 1 is tiny, and its
+    // relative error becomes g's absolute error.
+    g[i] = -__logf(-logf(u));
 #else
-  return -std::log(-std::log(u));
+    g[i] = -std::log(-std::log(u));
 #endif
+  }
+}
+
+MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t position) {
+  const uint32_t k0s[1] = {k0}, k1s[1] = {k1}, vs[1] = {v}, ps[1] = {position};
+  float g[1];
+  GumbelNoise<1>(k0s, k1s, vs, ps, g);
+  return g[0];
 }
 
 // Orders float scores as unsigned integers: larger float -> larger integer, every NaN largest

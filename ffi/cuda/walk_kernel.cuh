@@ -140,11 +140,15 @@ __device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool
   }
 }
 
-// The same for a dtype known at run time.
-__device__ __forceinline__ float StoreRounded(void* p, size_t i, int dtype, float l) {
-  if (dtype == kF32) return StoreRoundedAs<kF32>(p, i, l, true);
-  if (dtype == kBF16) return StoreRoundedAs<kBF16>(p, i, l, true);
-  return StoreRoundedAs<kF16>(p, i, l, true);
+// The same for a dtype known at run time, without branches: both 16-bit roundings are computed and
+// the store of the matching width is predicated.
+__device__ __forceinline__ float StoreRoundedSelect(void* p, size_t i, int dtype, float l, bool store) {
+  const __nv_bfloat16 rb = __float2bfloat16_rn(l);
+  const __half rh = __float2half_rn(l);
+  const bool bf16 = dtype == kBF16;
+  if (store && dtype == kF32) __stcs(static_cast<float*>(p) + i, l);
+  if (store && dtype != kF32) __stcs(static_cast<unsigned short*>(p) + i, bf16 ? __bfloat16_as_ushort(rb) : __half_as_ushort(rh));
+  return dtype == kF32 ? l : (bf16 ? __bfloat162float(rb) : __half2float(rh));
 }
 
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
@@ -603,6 +607,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
   // kChains independent accumulator chains per n-tile.
   constexpr bool kWgmma = !DIGITS && NT >= 4;
+  // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
+  // Philox chains) before their branches; the others compute it row by row in the branches (where
+  // their 128 registers a thread allow no more).
+  constexpr bool kGroupNoise = kWgmma;
+  constexpr int kNoiseGroup = kGroupNoise ? 2 : 1;
   constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
   constexpr int kChains = NT == 1 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -806,12 +815,20 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
     // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
     // logit_scale * (scale * (dot * unscale)) does (scaling by 2^-shift is exact), one multiply fewer.
-    float unscale_of[kSlots];
+    // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
+    // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
+    // that spill store waited for their global load (8 % of the B = 16 greedy samples).
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
+    float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
     }
+    const auto UnscaleOf = [&](int i) {
+      if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      else return unscale_of[i];
+    };
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
@@ -977,10 +994,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
+          const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
             const float l = row < a.vocab_size ? base + bias : -INFINITY;
             const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
@@ -999,15 +1017,64 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
           const float it = inv_t[rq];
           const int out_line = rq * steps + k;  // of logits [B, K, V]
+          const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
-            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
+            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
             const float score = it > 0.0f ? __fadd_rn(__fmul_rn(l, it), noise[rq * stage_rows + row - first_row]) : l;
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
+          }
+        }
+      };
+      // Every other case. Sampled batches without the fill compute their noise here; the wgmma kernels
+      // that of kNoiseGroup slots' two rows at a time, for greedy requests too (unused), in lockstep
+      // (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the warp waiting on each.
+      // One copy of this code, the logits dtype chosen with selects: a copy per dtype spills
+      // registers at 16 slots a thread.
+      const auto GeneralEpilogue = [&]() {
+        const bool compute_noise = any_sampled && !a.noise_ahead;
+#pragma unroll
+        for (int i0 = 0; i0 < kSlots; i0 += kNoiseGroup) {
+          float gumbel[2 * kNoiseGroup];
+          if (kGroupNoise && compute_noise) {
+            uint32_t k0[2 * kNoiseGroup], k1[2 * kNoiseGroup], v[2 * kNoiseGroup], position[2 * kNoiseGroup];
+#pragma unroll
+            for (int c = 0; c < 2 * kNoiseGroup; ++c) {
+              const int rq = min(SlotRequest<SPLIT, DIGITS>(i0 + c / 2, t), batch - 1);
+              k0[c] = key0[rq];
+              k1[c] = key1[rq];
+              v[c] = uint32_t(c % 2 ? row_b : row_a);
+              position[c] = pos[rq] + uint32_t(k);
+            }
+            GumbelNoise<2 * kNoiseGroup>(k0, k1, v, position, gumbel);
+          }
+#pragma unroll
+          for (int j = 0; j < kNoiseGroup; ++j) {
+            const int i = i0 + j, rq = SlotRequest<SPLIT, DIGITS>(i, t);
+            if (rq >= batch) continue;
+            const float unscale_i = UnscaleOf(i);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = h ? row_b : row_a;
+              if (row >= vocab) continue;
+              const size_t index = (size_t(rq) * steps + k) * vocab + row;
+              const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
+              float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+              l = StoreRoundedSelect(a.logits, index, a.logits_dtype, l, a.logits != nullptr);
+              float score = l;
+              if (inv_t[rq] > 0.0f) {
+                const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
+                                       : kGroupNoise ? gumbel[2 * j + h]
+                                                     : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
+                score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
+              }
+              const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
+              best[i] = packed > best[i] ? packed : best[i];
+            }
           }
         }
       };
@@ -1028,28 +1095,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else {
         // Larger sampled batches compute their noise here, per (row, request); at 16 slots per thread,
         // where the epilogue above would spill, every batch that samples or writes logits comes here.
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
-          if (rq >= batch) continue;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = h ? row_b : row_a;
-            if (row >= vocab) continue;
-            const size_t index = (size_t(rq) * steps + k) * vocab + row;
-            const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_of[i];
-            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            l = a.logits != nullptr ? StoreRounded(a.logits, index, a.logits_dtype, l) : l;
-            float score = l;
-            if (inv_t[rq] > 0.0f) {
-              const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
-                                                   : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
-              score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
-            }
-            const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
-            best[i] = packed > best[i] ? packed : best[i];
-          }
-        }
+        GeneralEpilogue();
       }
       if (kBaseAhead) {
 #pragma unroll
