@@ -1093,8 +1093,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else if (kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kF16>());
       } else {
-        // Larger sampled batches compute their noise here, per (row, request); at 16 slots per thread,
-        // where the epilogue above would spill, every batch that samples or writes logits comes here.
+        // At 16 slots a thread, where the epilogue above would spill, every batch that samples or
+        // writes logits comes here.
         GeneralEpilogue();
       }
       if (kBaseAhead) {
