@@ -25,7 +25,9 @@
 //   CTA to leave zeroes slots and counters, so the next call starts clean.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
 //   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
-//   grid's choice (FillNoise); larger ones compute it in the scoring epilogue.
+//   grid's choice (FillNoise). Larger ones have all of it computed before the walk by a kernel of
+//   its own (MarkovWalkNoise, into a scratch buffer) and read it in the scoring epilogue; where that
+//   buffer cannot be had, the epilogue computes it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -96,6 +98,7 @@ struct WalkArgs {
   int tiles_per_cta, resident_tiles;
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead;  // 1: each step's Gumbel noise of a CTA's rows is computed into shared memory first
+  const float* noise;  // [B, K, V] the sampled requests' Gumbel noise (MarkovWalkNoise), or null
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -510,6 +513,53 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
   }
 }
 
+// Every sampled request's Gumbel noise for all K steps, noise[b][k][v], before the walk starts
+// (batches whose noise does not fit in shared memory). In the walk's scoring epilogue, at two warps a
+// scheduler and about 250 live registers, the Philox chains of a value run at a third of the issue
+// rate; here, at full occupancy and kNoiseChains independent chains a thread, they run at it.
+// Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left unwritten. (A
+// template, so that every launch unit that includes this may instantiate it.)
+constexpr int kNoiseThreads = 256;
+constexpr int kNoiseChains = 4;
+constexpr int kNoiseValuesPerBlock = kNoiseThreads * kNoiseChains;
+
+template <int CHAINS>
+__global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs a, float* noise) {
+  const int b = blockIdx.z, k = blockIdx.y;
+  if (!(a.temperature[b] > 0.0f)) return;
+  uint32_t k0[CHAINS], k1[CHAINS], v[CHAINS], position[CHAINS];
+  float g[CHAINS];
+#pragma unroll
+  for (int i = 0; i < CHAINS; ++i) {
+    k0[i] = a.key[2 * b];
+    k1[i] = a.key[2 * b + 1];
+    // A warp's stores of chain i cover 32 consecutive values.
+    v[i] = blockIdx.x * kNoiseThreads * CHAINS + i * kNoiseThreads + threadIdx.x;
+    position[i] = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
+  }
+  GumbelNoise<CHAINS>(k0, k1, v, position, g);
+  float* line = noise + (size_t(b) * a.steps + k) * a.vocab;
+#pragma unroll
+  for (int i = 0; i < CHAINS; ++i) {
+    if (v[i] < uint32_t(a.vocab)) __stcs(line + v[i], g[i]);
+  }
+}
+
+// Index of request rq's noise at step k, row `row` (clamped into the buffer) in a.noise.
+__device__ __forceinline__ size_t NoiseIndex(const WalkArgs& a, int rq, int k, int row) {
+  return (size_t(rq) * a.steps + k) * a.vocab + min(row, a.vocab - 1);
+}
+
+// Asks L2 for the noise of a tile's 16 rows (from row0) at step k, every sampled request: the
+// epilogue's loads of it then wait for L2, not HBM.
+__device__ __forceinline__ void PrefetchNoise(const WalkArgs& a, const float* inv_t, int k, int row0, int lane) {
+  for (int rq = lane; rq < a.batch; rq += 32) {
+    if (!(inv_t[rq] > 0.0f)) continue;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a.noise + NoiseIndex(a, rq, k, row0)));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a.noise + NoiseIndex(a, rq, k, row0 + kTileRows - 1)));
+  }
+}
+
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
@@ -691,8 +741,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
-  // Scoring computes no noise when the fill has (or no row samples).
-  const bool noise_free = !any_sampled || a.noise_ahead;
+  // Step k's noise from MarkovWalkNoise (a.noise): the kernels that Launch gives it to, those that
+  // neither stage base logits nor score digits (their batches' noise always fits ahead).
+  const bool noise_pass = !STAGED && !DIGITS && a.noise != nullptr;
+  // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
+  const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
   if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, 0, inv_t, key0, key1, pos, tid, THREADS);
 
   Stamp(a, 0, 1);
@@ -837,6 +890,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (kBaseAhead && tiles.total() > 0) {
       LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
+    if (noise_pass && tiles.total() > 0) PrefetchNoise(a, inv_t, k, RowOf(next_tile), lane);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
       const int j = next_tile;
@@ -862,6 +916,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           if (kBaseAhead) {
             LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
           }
+          if (noise_pass) PrefetchNoise(a, inv_t, k, RowOf(next_tile), lane);
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
@@ -1006,10 +1061,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      // Sampled rows whose noise is in shared memory and greedy rows with logits out: l_k, rounded to
-      // the logits dtype decltype(logits_dtype)::value (kNone: no logits out), and its Gumbel score,
-      // with selects and predicated stores rather than branches. The noise is read only for sampled
-      // requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
+      // Sampled rows whose noise is in shared memory or in a.noise, and greedy rows with logits out:
+      // l_k, rounded to the logits dtype decltype(logits_dtype)::value (kNone: no logits out), and its
+      // Gumbel score, with selects and predicated stores rather than branches. The noise is read only
+      // for sampled requests (only they have it), a.noise's all before any is used; rows past
+      // vocab_size score -inf, whatever noise they read.
       const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
         constexpr int kOut = decltype(logits_dtype)::value;
 #pragma unroll
@@ -1024,23 +1080,40 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
             if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
-            const float score = it > 0.0f ? __fadd_rn(__fmul_rn(l, it), noise[rq * stage_rows + row - first_row]) : l;
+            float score = l;
+            if (it > 0.0f) {
+              score = __fadd_rn(__fmul_rn(l, it), noise_pass ? __ldcs(a.noise + NoiseIndex(a, rq, k, row)) : noise[rq * stage_rows + row - first_row]);
+            }
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
         }
       };
-      // Every other case. Sampled batches without the fill compute their noise here; the wgmma kernels
-      // that of kNoiseGroup slots' two rows at a time, for greedy requests too (unused), in lockstep
-      // (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the warp waiting on each.
-      // One copy of this code, the logits dtype chosen with selects: a copy per dtype spills
-      // registers at 16 slots a thread.
+      // Every other case. Sampled batches with neither the fill nor a.noise compute their noise here;
+      // the wgmma kernels that of kNoiseGroup slots' two rows at a time, for greedy requests too
+      // (unused), in lockstep (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the
+      // warp waiting on each. Those kernels load a.noise's a group ahead of its use. One copy of this
+      // code, the logits dtype chosen with selects: a copy per dtype spills registers at 16 slots a
+      // thread.
       const auto GeneralEpilogue = [&]() {
-        const bool compute_noise = any_sampled && !a.noise_ahead;
+        const bool compute_noise = any_sampled && !a.noise_ahead && !noise_pass;
+        const auto LoadGroupNoise = [&](int i0, float (&out)[2 * kNoiseGroup]) {
+#pragma unroll
+          for (int c = 0; c < 2 * kNoiseGroup; ++c) {
+            const int rq = min(SlotRequest<SPLIT, DIGITS>(i0 + c / 2, t), batch - 1);
+            out[c] = inv_t[rq] > 0.0f ? __ldcs(a.noise + NoiseIndex(a, rq, k, c % 2 ? row_b : row_a)) : 0.0f;
+          }
+        };
+        float group_ahead[2 * kNoiseGroup];
+        if (kGroupNoise && noise_pass) LoadGroupNoise(0, group_ahead);
 #pragma unroll
         for (int i0 = 0; i0 < kSlots; i0 += kNoiseGroup) {
           float gumbel[2 * kNoiseGroup];
-          if (kGroupNoise && compute_noise) {
+          if (kGroupNoise && noise_pass) {
+#pragma unroll
+            for (int c = 0; c < 2 * kNoiseGroup; ++c) gumbel[c] = group_ahead[c];
+            if (i0 + kNoiseGroup < kSlots) LoadGroupNoise(i0 + kNoiseGroup, group_ahead);
+          } else if (kGroupNoise && compute_noise) {
             uint32_t k0[2 * kNoiseGroup], k1[2 * kNoiseGroup], v[2 * kNoiseGroup], position[2 * kNoiseGroup];
 #pragma unroll
             for (int c = 0; c < 2 * kNoiseGroup; ++c) {
@@ -1069,7 +1142,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               if (inv_t[rq] > 0.0f) {
                 const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
                                        : kGroupNoise ? gumbel[2 * j + h]
-                                                     : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
+                                       : noise_pass ? __ldcs(a.noise + NoiseIndex(a, rq, k, row))
+                                                            : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
                 score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
               }
               const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
@@ -1180,17 +1254,31 @@ inline ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
 }
 
+// Rows of W2 per CTA on `sm_count` SMs.
+inline int RowsPerCta(int vocab, int sm_count) {
+  const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
+  return (total_tiles + sm_count - 1) / sm_count * kTileRows;
+}
+
+// Whether each step's Gumbel noise of `batch` requests fits in shared memory (FillNoise): small
+// batches compute it there, at the price of about one resident W2 tile per request.
+inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
+  return size_t(batch) * rows_per_cta * sizeof(float) <= size_t(kMaxNoiseBytes);
+}
+
+// One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
+// `noise_buffer` (room for [batch, K, V] floats), has its noise computed there first by
+// MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2>
-ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
+ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
   // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
   constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
-  const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
-  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  const int rows_per_cta = args.tiles_per_cta * kTileRows;
+  const int rows_per_cta = RowsPerCta(args.vocab, grid);
+  args.tiles_per_cta = rows_per_cta / kTileRows;
   // Small batches (kernels of up to 16 columns) stage each step's base logits in shared memory (one
   // bulk copy per step, issued before the grid-wide wait), at the price of a few resident W2 tiles.
   // The staging is a template parameter: were it chosen at run time, the registers that take the
@@ -1203,10 +1291,16 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true>;
   }
-  // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), at the price of
-  // about one resident W2 tile per request.
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
-  args.noise_ahead = args.sampling && noise_bytes <= kMaxNoiseBytes;
+  args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
+  args.noise = nullptr;
+  if (args.sampling && !args.noise_ahead && !stage && !DIGITS && noise_buffer != nullptr) {
+    const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
+    MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
+    args.noise = noise_buffer;
+  }
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
@@ -1238,28 +1332,28 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
 // format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
 template <int W2>
 ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
-                            const WalkArgs& args) {
+                            const WalkArgs& args, float* noise_buffer) {
   if constexpr (W2 == kW2Int8) {
-    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args);
+    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
   }
   if (split) {
-    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args);
-    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args);
-    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args);
-    return Launch<8, true, false, W2>(stream, device, props, args);
+    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args, noise_buffer);
+    return Launch<8, true, false, W2>(stream, device, props, args, noise_buffer);
   }
-  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args);
-  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args);
-  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args);
-  return Launch<8, false, false, W2>(stream, device, props, args);
+  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args, noise_buffer);
+  return Launch<8, false, false, W2>(stream, device, props, args, noise_buffer);
 }
 
 extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&);
+                                                     const WalkArgs&, float*);
 extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                    const WalkArgs&);
+                                                    const WalkArgs&, float*);
 extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&);
+                                                     const WalkArgs&, float*);
 
 }  // namespace walk
 }  // namespace jax_markov
