@@ -106,8 +106,9 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 
 
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
-# step's Gumbel noise ahead, in shared memory; B = 6 has all of it made before the walk
-# (MarkovWalkNoise) and reads it in the scoring epilogue.
+# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. (Batches of
+# 9 or more have all of it made before the walk, by MarkovWalkNoise: the mixed benchmark shapes at
+# B >= 16, test_padding_d2t_logit_scale at B = 40.)
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),

@@ -167,12 +167,14 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   const int64_t chunk = split ? kMaxBatch / 2 : kMaxBatch;
   const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
   const int logits_esize = logits_dtype == kF32 ? 4 : 2;
-  // Sampled batches too wide for the noise in shared memory get it from MarkovWalkNoise, in scratch
-  // that XLA lends for this call ([widest launch, K, V] floats, reused by every launch in stream
-  // order). Without it (the allocation failed) the walk computes the noise itself, slower.
+  // Sampled batches of kNoisePassRequests or more whose noise does not fit in shared memory get it
+  // from MarkovWalkNoise, in scratch that XLA lends for this call ([widest launch, K, V] floats,
+  // reused by every launch in stream order; V % 4 == 0 for the walk's bulk copies of it). Without it
+  // (another V, or the allocation failed) the walk computes the noise itself, slower.
   float* noise_buffer = nullptr;
   const int64_t widest = std::min(chunk, batch);
-  if (sampling && !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
+  if (sampling && vocab % 4 == 0 && widest >= kNoisePassRequests &&
+      !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
     const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * vocab * sizeof(float), 16);
     if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
   }

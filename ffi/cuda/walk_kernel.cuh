@@ -419,6 +419,44 @@ __device__ __forceinline__ void CpAsyncWaitPending(int n) {
   }
 }
 
+// Whether kernel <NT, SPLIT, DIGITS> reads a.noise (MarkovWalkNoise) when given it: those that walk
+// kNoisePassRequests or more requests. At 16 warps (128 registers a thread) the stage's code spills
+// registers in those of up to 8, whose batches' noise mostly fits ahead anyway (up to 5 requests at
+// V = 151936).
+constexpr int kNoisePassRequests = 9;
+__host__ __device__ constexpr bool ReadsNoisePass(int nt, bool split, bool digits) {
+  return !digits && (split ? 4 * nt : 8 * nt) >= kNoisePassRequests;
+}
+
+// Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
+// completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+}
+
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
+}
+
+// bytes: a multiple of 16, as are both addresses.
+__device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(SharedAddress(dst)), "l"(src), "r"(bytes), "r"(SharedAddress(bar)) : "memory");
+}
+
+// Waits for the phase of `bar` with this parity to complete.
+__device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SharedAddress(bar)), "r"(parity) : "memory");
+}
+
 // Raw bits of a base logit of dtype BASE as a float: one instruction at most.
 template <int BASE>
 __device__ __forceinline__ float BaseToFloat(uint32_t bits) {
@@ -545,21 +583,6 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
   }
 }
 
-// Index of request rq's noise at step k, row `row` (clamped into the buffer) in a.noise.
-__device__ __forceinline__ size_t NoiseIndex(const WalkArgs& a, int rq, int k, int row) {
-  return (size_t(rq) * a.steps + k) * a.vocab + min(row, a.vocab - 1);
-}
-
-// Asks L2 for the noise of a tile's 16 rows (from row0) at step k, every sampled request: the
-// epilogue's loads of it then wait for L2, not HBM.
-__device__ __forceinline__ void PrefetchNoise(const WalkArgs& a, const float* inv_t, int k, int row0, int lane) {
-  for (int rq = lane; rq < a.batch; rq += 32) {
-    if (!(inv_t[rq] > 0.0f)) continue;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a.noise + NoiseIndex(a, rq, k, row0)));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a.noise + NoiseIndex(a, rq, k, row0 + kTileRows - 1)));
-  }
-}
-
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
@@ -602,7 +625,8 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16;  // + the last-CTA flag
+  // + the last-CTA flag, then two mbarriers a warp (the noise stage).
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
 };
 
@@ -675,11 +699,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* key1 = key0 + kMaxBatch;
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
+  uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
   float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
-  unsigned char* resident = reinterpret_cast<unsigned char*>(noise + (a.noise_ahead ? a.batch * stage_rows : 0));
+  // Step k's noise from MarkovWalkNoise (a.noise), staged a tile ahead per warp: [kWarps][2][B][16]
+  // floats. Launch gives a.noise to the kernels that read it and do not stage base logits (the
+  // staging kernels' batches' noise always fits ahead).
+  const bool noise_pass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && a.noise != nullptr;
+  float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
+  unsigned char* resident = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * 2 * a.batch * kTileRows : 0));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -703,6 +733,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
   Stamp(a, 0, 0);
   for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  if (noise_pass && lane < 2) {
+    MbarrierInit(&noise_bar[2 * warp + lane]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   for (int b = tid; b < kMaxBatch; b += THREADS) {
     cta_best[b] = 0;
     if (b < batch) {
@@ -741,11 +775,29 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
-  // Step k's noise from MarkovWalkNoise (a.noise): the kernels that Launch gives it to, those that
-  // neither stage base logits nor score digits (their batches' noise always fits ahead).
-  const bool noise_pass = !STAGED && !DIGITS && a.noise != nullptr;
   // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
   const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
+  // The noise stage: this warp's buffer u % 2 takes the noise of the u-th tile it scores (counted
+  // over all steps), so that buffer's mbarrier completes its phase u / 2 for it.
+  uint32_t noise_tiles = 0;
+  // Issues the bulk copies of step k's noise of the tile at row0 (sampled requests only) into buffer
+  // s. Its previous tile was read by this warp's ordinary loads, which the fence orders before the
+  // copies' writes.
+  const auto StageNoise = [&](int k, int row0, uint32_t s) {
+    const uint32_t rows = min(kTileRows, vocab - row0);
+    const bool first = lane < batch && inv_t[lane] > 0.0f, second = lane + 32 < batch && inv_t[lane + 32] > 0.0f;
+    const uint32_t requests = __popc(__ballot_sync(0xffffffffu, first)) + __popc(__ballot_sync(0xffffffffu, second));
+    float* buffer = noise_stage + (size_t(warp) * 2 + s) * batch * kTileRows;
+    FenceSharedForAsyncProxy();
+    if (lane == 0) MbarrierArriveExpectTx(&noise_bar[2 * warp + s], requests * rows * 4);
+    __syncwarp();
+    for (int rq = lane; rq < batch; rq += 32) {
+      if (inv_t[rq] > 0.0f) {
+        BulkCopyToShared(buffer + rq * kTileRows, a.noise + (size_t(rq) * steps + k) * vocab + row0, 4 * rows,
+                         &noise_bar[2 * warp + s]);
+      }
+    }
+  };
   if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, 0, inv_t, key0, key1, pos, tid, THREADS);
 
   Stamp(a, 0, 1);
@@ -890,7 +942,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (kBaseAhead && tiles.total() > 0) {
       LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
-    if (noise_pass && tiles.total() > 0) PrefetchNoise(a, inv_t, k, RowOf(next_tile), lane);
+    if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
       const int j = next_tile;
@@ -916,7 +968,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           if (kBaseAhead) {
             LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
           }
-          if (noise_pass) PrefetchNoise(a, inv_t, k, RowOf(next_tile), lane);
+          if (noise_pass) StageNoise(k, RowOf(next_tile), (noise_tiles + 1) & 1);
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
@@ -1042,6 +1094,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+      // This tile's staged noise: [B][16] floats.
+      const float* tile_noise = noise_stage + (size_t(warp) * 2 + (noise_tiles & 1)) * batch * kTileRows;
+      if (noise_pass) {
+        MbarrierWait(&noise_bar[2 * warp + (noise_tiles & 1)], (noise_tiles >> 1) & 1);
+        ++noise_tiles;
+      }
       // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
       // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
       // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
@@ -1061,11 +1119,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      // Sampled rows whose noise is in shared memory or in a.noise, and greedy rows with logits out:
-      // l_k, rounded to the logits dtype decltype(logits_dtype)::value (kNone: no logits out), and its
-      // Gumbel score, with selects and predicated stores rather than branches. The noise is read only
-      // for sampled requests (only they have it), a.noise's all before any is used; rows past
-      // vocab_size score -inf, whatever noise they read.
+      // Sampled rows whose noise is in shared memory (the fill or the stage), and greedy rows with
+      // logits out: l_k, rounded to the logits dtype decltype(logits_dtype)::value (kNone: no logits
+      // out), and its Gumbel score, with selects and predicated stores rather than branches. The noise
+      // is read only for sampled requests (only they have it); rows past vocab_size score -inf,
+      // whatever noise they read.
       const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
         constexpr int kOut = decltype(logits_dtype)::value;
 #pragma unroll
@@ -1082,38 +1140,24 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
             float score = l;
             if (it > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, it), noise_pass ? __ldcs(a.noise + NoiseIndex(a, rq, k, row)) : noise[rq * stage_rows + row - first_row]);
+              score = __fadd_rn(__fmul_rn(l, it), noise_pass ? tile_noise[rq * kTileRows + row - row0] : noise[rq * stage_rows + row - first_row]);
             }
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
         }
       };
-      // Every other case. Sampled batches with neither the fill nor a.noise compute their noise here;
+      // Every other case. Sampled batches with neither the fill nor the stage compute their noise here;
       // the wgmma kernels that of kNoiseGroup slots' two rows at a time, for greedy requests too
       // (unused), in lockstep (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the
-      // warp waiting on each. Those kernels load a.noise's a group ahead of its use. One copy of this
-      // code, the logits dtype chosen with selects: a copy per dtype spills registers at 16 slots a
-      // thread.
+      // warp waiting on each. One copy of this code, the logits dtype chosen with selects: a copy per
+      // dtype spills registers at 16 slots a thread.
       const auto GeneralEpilogue = [&]() {
         const bool compute_noise = any_sampled && !a.noise_ahead && !noise_pass;
-        const auto LoadGroupNoise = [&](int i0, float (&out)[2 * kNoiseGroup]) {
-#pragma unroll
-          for (int c = 0; c < 2 * kNoiseGroup; ++c) {
-            const int rq = min(SlotRequest<SPLIT, DIGITS>(i0 + c / 2, t), batch - 1);
-            out[c] = inv_t[rq] > 0.0f ? __ldcs(a.noise + NoiseIndex(a, rq, k, c % 2 ? row_b : row_a)) : 0.0f;
-          }
-        };
-        float group_ahead[2 * kNoiseGroup];
-        if (kGroupNoise && noise_pass) LoadGroupNoise(0, group_ahead);
 #pragma unroll
         for (int i0 = 0; i0 < kSlots; i0 += kNoiseGroup) {
           float gumbel[2 * kNoiseGroup];
-          if (kGroupNoise && noise_pass) {
-#pragma unroll
-            for (int c = 0; c < 2 * kNoiseGroup; ++c) gumbel[c] = group_ahead[c];
-            if (i0 + kNoiseGroup < kSlots) LoadGroupNoise(i0 + kNoiseGroup, group_ahead);
-          } else if (kGroupNoise && compute_noise) {
+          if (kGroupNoise && compute_noise) {
             uint32_t k0[2 * kNoiseGroup], k1[2 * kNoiseGroup], v[2 * kNoiseGroup], position[2 * kNoiseGroup];
 #pragma unroll
             for (int c = 0; c < 2 * kNoiseGroup; ++c) {
@@ -1141,9 +1185,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               float score = l;
               if (inv_t[rq] > 0.0f) {
                 const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
+                                       : noise_pass  ? tile_noise[rq * kTileRows + row - row0]
                                        : kGroupNoise ? gumbel[2 * j + h]
-                                       : noise_pass ? __ldcs(a.noise + NoiseIndex(a, rq, k, row))
-                                                            : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
+                                                     : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
                 score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
               }
               const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
@@ -1294,15 +1338,18 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
   args.noise = nullptr;
-  if (args.sampling && !args.noise_ahead && !stage && !DIGITS && noise_buffer != nullptr) {
+  // The stage's bulk copies take 16-byte multiples: V % 4 == 0 (so a tile's row run starts aligned).
+  if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr &&
+      args.vocab % 4 == 0) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
     MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * 2 * args.batch * kTileRows * int(sizeof(float)) : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
-                    (args.noise_ahead ? noise_bytes : 0);
+                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
