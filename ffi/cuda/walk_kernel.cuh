@@ -668,6 +668,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kBaseAhead = NT <= 4;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
+  // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
+  // whose noise is staged.
+  constexpr int kAnyDType = -2;
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -1137,7 +1140,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
+            if constexpr (kOut == kAnyDType) {
+              l = StoreRoundedSelect(a.logits, size_t(out_line) * vocab + row, a.logits_dtype, l,
+                                     a.logits != nullptr && owner < batch && row < vocab);
+            } else if constexpr (kOut != kNone) {
+              l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
+            }
             float score = l;
             if (it > 0.0f) {
               score = __fadd_rn(__fmul_rn(l, it), noise_pass ? tile_noise[rq * kTileRows + row - row0] : noise[rq * stage_rows + row - first_row]);
@@ -1210,6 +1218,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
       } else if (kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kF16>());
+      } else if (!kNoiseFreeEpilogue && noise_pass) {
+        NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
       } else {
         // At 16 slots a thread, where the epilogue above would spill, every batch that samples or
         // writes logits comes here.
