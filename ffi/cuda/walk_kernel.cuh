@@ -1161,7 +1161,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // warp waiting on each. One copy of this code, the logits dtype chosen with selects: a copy per
       // dtype spills registers at 16 slots a thread.
       const auto GeneralEpilogue = [&]() {
-        const bool compute_noise = any_sampled && !a.noise_ahead && !noise_pass;
+        const bool compute_noise = any_sampled && !a.noise_ahead;
 #pragma unroll
         for (int i0 = 0; i0 < kSlots; i0 += kNoiseGroup) {
           float gumbel[2 * kNoiseGroup];
@@ -1193,7 +1193,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               float score = l;
               if (inv_t[rq] > 0.0f) {
                 const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
-                                       : noise_pass  ? tile_noise[rq * kTileRows + row - row0]
                                        : kGroupNoise ? gumbel[2 * j + h]
                                                      : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
                 score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
