@@ -25,9 +25,10 @@
 //   CTA to leave zeroes slots and counters, so the next call starts clean.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
 //   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
-//   grid's choice (FillNoise). Larger ones have all of it computed before the walk by a kernel of
-//   its own (MarkovWalkNoise, into a scratch buffer) and read it in the scoring epilogue; where that
-//   buffer cannot be had, the epilogue computes it.
+//   grid's choice (FillNoise). Batches of 9 or more requests have all of it computed before the walk
+//   by a kernel of their own (MarkovWalkNoise, into scratch); each warp stages a tile's share in
+//   shared memory a tile ahead (bulk copies on an mbarrier), so that scoring takes the branch-free
+//   epilogue. Otherwise the scoring epilogue computes it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -552,11 +553,11 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
 }
 
 // Every sampled request's Gumbel noise for all K steps, noise[b][k][v], before the walk starts
-// (batches whose noise does not fit in shared memory). In the walk's scoring epilogue, at two warps a
-// scheduler and about 250 live registers, the Philox chains of a value run at a third of the issue
-// rate; here, at full occupancy and kNoiseChains independent chains a thread, they run at it.
-// Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left unwritten. (A
-// template, so that every launch unit that includes this may instantiate it.)
+// (batches whose noise does not fit in shared memory), at full occupancy with kNoiseChains
+// independent Philox chains a thread. With the noise at hand the walk scores with the branch-free
+// epilogue, whose branches cost the general one more than the noise itself (benchmarks/NOTES.md,
+// Session 13). Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left
+// unwritten. (A template, so that every launch unit that includes this may instantiate it.)
 constexpr int kNoiseThreads = 256;
 constexpr int kNoiseChains = 4;
 constexpr int kNoiseValuesPerBlock = kNoiseThreads * kNoiseChains;
@@ -1220,8 +1221,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else if (!kNoiseFreeEpilogue && noise_pass) {
         NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
       } else {
-        // At 16 slots a thread, where the epilogue above would spill, every batch that samples or
-        // writes logits comes here.
+        // At 16 slots a thread, where the epilogue above would spill in four copies, every batch that
+        // samples or writes logits comes here, but those whose noise is staged.
         GeneralEpilogue();
       }
       if (kBaseAhead) {
