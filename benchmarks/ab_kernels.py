@@ -1,5 +1,6 @@
-"""A/B of kernel versions on one GPU: the kernel's device time per launch, from ncu, for source trees
-built side by side and measured in alternating rounds (so that drift of the GPU hits every tree).
+"""A/B of kernel versions on one GPU: the walk's device time per launch (with the noise kernel that
+a large sampled batch runs first), from ncu, for source trees built side by side and measured in
+alternating rounds (so that drift of the GPU hits every tree).
 
 Make one source tree per version, carry them to the GPU (for the device tool: under .dev/), then:
 
@@ -28,6 +29,7 @@ CALLS = 3  # profile_kernel.py's chained walks per config
 MAX_COLUMNS = 64  # one launch walks up to 64 requests (bf16 W1: one column each)
 NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk", "--metrics", "gpu__time_duration.sum"]
 _DURATION = re.compile(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)")
+_KERNEL = re.compile(r"^\s+(?:void\s+)?(?:\w+::)*(MarkovWalk\w*)[<(]")
 _UNIT_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
 
@@ -38,8 +40,24 @@ def launches(config: str) -> int:
 
 
 def parse_durations(ncu_output: str) -> list[float]:
-    """Every gpu__time_duration.sum of an ncu report, in launch order, in microseconds."""
-    return [float(value.replace(",", "")) * _UNIT_US[unit] for unit, value in _DURATION.findall(ncu_output)]
+    """The gpu__time_duration.sum of every walk launch of an ncu report, in launch order, in
+    microseconds. A MarkovWalkNoise launch (the Gumbel noise of a large sampled batch, made just before
+    its walk) counts in the walk launch that follows it."""
+    walks, noise, kernel = [], 0.0, ""
+    for line in ncu_output.splitlines():
+        named = _KERNEL.match(line)
+        if named:
+            kernel = named.group(1)
+            continue
+        duration = _DURATION.search(line)
+        if duration:
+            us = float(duration.group(2).replace(",", "")) * _UNIT_US[duration.group(1)]
+            if kernel == "MarkovWalkNoise":
+                noise += us
+            else:
+                walks.append(us + noise)
+                noise = 0.0
+    return walks
 
 
 def per_config(durations: list[float], configs: list[str]) -> dict[str, list[float]]:

@@ -23,6 +23,14 @@ def test_durations_in_microseconds_per_config():
     assert runs["151936,7,256,greedy"] == pytest.approx([260.0] * 12)
 
 
+def test_noise_launches_count_in_the_walk_launch_that_follows():
+    report = ("  MarkovWalkNoise(jax_markov::walk::WalkArgs, float *) (149, 7, 64)x(256, 1, 1), Context 1\n"
+              "    gpu__time_duration.sum      us      30.5\n" + ncu_report([(100.0, "us"), (90.0, "us")]) + "\n"
+              "  jax_markov::walk::MarkovWalkNoise(jax_markov::walk::WalkArgs, float *) (149, 7, 64)x(256, 1, 1)\n"
+              "    gpu__time_duration.sum      ms      0.02\n" + ncu_report([(80.0, "us")]))
+    assert ab_kernels.parse_durations(report) == pytest.approx([130.5, 90.0, 100.0])
+
+
 def test_launch_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="reported 2 kernel launches, the configs make 3"):
         ab_kernels.per_config([1.0, 2.0], ["5003,3,3,greedy"])

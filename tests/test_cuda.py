@@ -106,7 +106,9 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 
 
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
-# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue.
+# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. (Batches of
+# 9 or more have all of it made before the walk, by MarkovWalkNoise: the mixed benchmark shapes at
+# B >= 16, test_padding_d2t_logit_scale at B = 40.)
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
@@ -184,8 +186,9 @@ def test_large_batches_benchmark_shape(check_parity, batch):
     check_parity(base, anchor, head, kw)
 
 
-# 6 requests exchange through per-CTA slots, 24 through the atomic keys.
-@pytest.mark.parametrize("batch", [6, 24])
+# 6 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 40 read their noise
+# from MarkovWalkNoise.
+@pytest.mark.parametrize("batch", [6, 24, 40])
 def test_padding_d2t_logit_scale(check_parity, batch):
     rng = np.random.default_rng(3 + batch)
     vocab, v_target = 32000, 128256

@@ -1,11 +1,13 @@
-// The FFI handler of the CUDA walk: checks the buffers, keeps a zeroed workspace per stream, and
-// walks the batch in launches of up to kMaxBatch columns (the kernel: walk_kernel.cuh).
+// The FFI handler of the CUDA walk: checks the buffers, keeps a zeroed workspace per stream, takes
+// scratch for the Gumbel noise of large sampled batches, and walks the batch in launches of up to
+// kMaxBatch columns (the kernel: walk_kernel.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,7 +79,7 @@ int DTypeCode(ffi::DataType t) {
   }
 }
 
-ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
+ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
                               ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
                               ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
                               ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
@@ -165,6 +167,17 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   const int64_t chunk = split ? kMaxBatch / 2 : kMaxBatch;
   const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
   const int logits_esize = logits_dtype == kF32 ? 4 : 2;
+  // Sampled batches of kNoisePassRequests or more whose noise does not fit in shared memory get it
+  // from MarkovWalkNoise, in scratch that XLA lends for this call ([widest launch, K, V] floats,
+  // reused by every launch in stream order; V % 4 == 0 for the walk's bulk copies of it). Without it
+  // (another V, or the allocation failed) the walk computes the noise itself, slower.
+  float* noise_buffer = nullptr;
+  const int64_t widest = std::min(chunk, batch);
+  if (sampling && vocab % 4 == 0 && widest >= kNoisePassRequests &&
+      !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
+    const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * vocab * sizeof(float), 16);
+    if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
+  }
   for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
     WalkArgs part = args;
     part.batch = int(std::min(chunk, batch - b0));
@@ -178,9 +191,10 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
     if (want_embeds) part.embeds = static_cast<char*>(args.embeds) + b0 * steps * kRank * w1_esize;
     const int columns = split ? 2 * part.batch : part.batch;
     const ffi::Error err =
-        int8 ? LaunchForColumns<kW2Int8>(split, columns, stream, device, props, part)
-             : (w2_type == ffi::DataType::F16 ? LaunchForColumns<kW2F16>(split, columns, stream, device, props, part)
-                                               : LaunchForColumns<kW2BF16>(split, columns, stream, device, props, part));
+        int8 ? LaunchForColumns<kW2Int8>(split, columns, stream, device, props, part, noise_buffer)
+             : (w2_type == ffi::DataType::F16
+                    ? LaunchForColumns<kW2F16>(split, columns, stream, device, props, part, noise_buffer)
+                    : LaunchForColumns<kW2BF16>(split, columns, stream, device, props, part, noise_buffer));
     if (err.failure()) return err;
   }
   return ffi::Error::Success();
@@ -228,6 +242,7 @@ cudaError_t QueryDeviceProperties(int device, DeviceProperties* out) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MarkovWalkCuda, jax_markov::walk::MarkovWalkCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()           // base_logits
                                   .Arg<ffi::Buffer<ffi::S32>>()    // anchor
                                   .Arg<ffi::AnyBuffer>()           // w1

@@ -25,7 +25,10 @@
 //   CTA to leave zeroes slots and counters, so the next call starts clean.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
 //   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
-//   grid's choice (FillNoise); larger ones compute it in the scoring epilogue.
+//   grid's choice (FillNoise). Batches of 9 or more requests have all of it computed before the walk
+//   by a kernel of their own (MarkovWalkNoise, into scratch); each warp stages a tile's share in
+//   shared memory a tile ahead (bulk copies on an mbarrier), so that scoring takes the branch-free
+//   epilogue. Otherwise the scoring epilogue computes it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -96,6 +99,7 @@ struct WalkArgs {
   int tiles_per_cta, resident_tiles;
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead;  // 1: each step's Gumbel noise of a CTA's rows is computed into shared memory first
+  const float* noise;  // [B, K, V] the sampled requests' Gumbel noise (MarkovWalkNoise), or null
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -416,6 +420,44 @@ __device__ __forceinline__ void CpAsyncWaitPending(int n) {
   }
 }
 
+// Whether kernel <NT, SPLIT, DIGITS> reads a.noise (MarkovWalkNoise) when given it: those that walk
+// kNoisePassRequests or more requests. At 16 warps (128 registers a thread) the stage's code spills
+// registers in those of up to 8, whose batches' noise mostly fits ahead anyway (up to 5 requests at
+// V = 151936).
+constexpr int kNoisePassRequests = 9;
+__host__ __device__ constexpr bool ReadsNoisePass(int nt, bool split, bool digits) {
+  return !digits && (split ? 4 * nt : 8 * nt) >= kNoisePassRequests;
+}
+
+// Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
+// completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+}
+
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
+}
+
+// bytes: a multiple of 16, as are both addresses.
+__device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(SharedAddress(dst)), "l"(src), "r"(bytes), "r"(SharedAddress(bar)) : "memory");
+}
+
+// Waits for the phase of `bar` with this parity to complete.
+__device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SharedAddress(bar)), "r"(parity) : "memory");
+}
+
 // Raw bits of a base logit of dtype BASE as a float: one instruction at most.
 template <int BASE>
 __device__ __forceinline__ float BaseToFloat(uint32_t bits) {
@@ -510,6 +552,38 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
   }
 }
 
+// Every sampled request's Gumbel noise for all K steps, noise[b][k][v], before the walk starts
+// (batches whose noise does not fit in shared memory), at full occupancy with kNoiseChains
+// independent Philox chains a thread. With the noise at hand the walk scores with the branch-free
+// epilogue, whose branches cost the general one more than the noise itself (benchmarks/NOTES.md,
+// Session 13). Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left
+// unwritten. (A template, so that every launch unit that includes this may instantiate it.)
+constexpr int kNoiseThreads = 256;
+constexpr int kNoiseChains = 4;
+constexpr int kNoiseValuesPerBlock = kNoiseThreads * kNoiseChains;
+
+template <int CHAINS>
+__global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs a, float* noise) {
+  const int b = blockIdx.z, k = blockIdx.y;
+  if (!(a.temperature[b] > 0.0f)) return;
+  uint32_t k0[CHAINS], k1[CHAINS], v[CHAINS], position[CHAINS];
+  float g[CHAINS];
+#pragma unroll
+  for (int i = 0; i < CHAINS; ++i) {
+    k0[i] = a.key[2 * b];
+    k1[i] = a.key[2 * b + 1];
+    // A warp's stores of chain i cover 32 consecutive values.
+    v[i] = blockIdx.x * kNoiseThreads * CHAINS + i * kNoiseThreads + threadIdx.x;
+    position[i] = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
+  }
+  GumbelNoise<CHAINS>(k0, k1, v, position, g);
+  float* line = noise + (size_t(b) * a.steps + k) * a.vocab;
+#pragma unroll
+  for (int i = 0; i < CHAINS; ++i) {
+    if (v[i] < uint32_t(a.vocab)) __stcs(line + v[i], g[i]);
+  }
+}
+
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
 // of one call issue before any is used.
@@ -552,7 +626,8 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 template <int NT>
 struct Smem {
   static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16;  // + the last-CTA flag
+  // + the last-CTA flag, then two mbarriers a warp (the noise stage).
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
 };
 
@@ -594,6 +669,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kBaseAhead = NT <= 4;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
+  // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
+  // whose noise is staged.
+  constexpr int kAnyDType = -2;
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -625,11 +703,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* key1 = key0 + kMaxBatch;
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
+  uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
   float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
-  unsigned char* resident = reinterpret_cast<unsigned char*>(noise + (a.noise_ahead ? a.batch * stage_rows : 0));
+  // Step k's noise from MarkovWalkNoise (a.noise), staged a tile ahead per warp: [kWarps][2][B][16]
+  // floats. Launch gives a.noise to the kernels that read it and do not stage base logits (the
+  // staging kernels' batches' noise always fits ahead).
+  const bool noise_pass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && a.noise != nullptr;
+  float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
+  unsigned char* resident = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * 2 * a.batch * kTileRows : 0));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -653,6 +737,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
   Stamp(a, 0, 0);
   for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  if (noise_pass && lane < 2) {
+    MbarrierInit(&noise_bar[2 * warp + lane]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   for (int b = tid; b < kMaxBatch; b += THREADS) {
     cta_best[b] = 0;
     if (b < batch) {
@@ -691,8 +779,29 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
-  // Scoring computes no noise when the fill has (or no row samples).
-  const bool noise_free = !any_sampled || a.noise_ahead;
+  // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
+  const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
+  // The noise stage: this warp's buffer u % 2 takes the noise of the u-th tile it scores (counted
+  // over all steps), so that buffer's mbarrier completes its phase u / 2 for it.
+  uint32_t noise_tiles = 0;
+  // Issues the bulk copies of step k's noise of the tile at row0 (sampled requests only) into buffer
+  // s. Its previous tile was read by this warp's ordinary loads, which the fence orders before the
+  // copies' writes.
+  const auto StageNoise = [&](int k, int row0, uint32_t s) {
+    const uint32_t rows = min(kTileRows, vocab - row0);
+    const bool first = lane < batch && inv_t[lane] > 0.0f, second = lane + 32 < batch && inv_t[lane + 32] > 0.0f;
+    const uint32_t requests = __popc(__ballot_sync(0xffffffffu, first)) + __popc(__ballot_sync(0xffffffffu, second));
+    float* buffer = noise_stage + (size_t(warp) * 2 + s) * batch * kTileRows;
+    FenceSharedForAsyncProxy();
+    if (lane == 0) MbarrierArriveExpectTx(&noise_bar[2 * warp + s], requests * rows * 4);
+    __syncwarp();
+    for (int rq = lane; rq < batch; rq += 32) {
+      if (inv_t[rq] > 0.0f) {
+        BulkCopyToShared(buffer + rq * kTileRows, a.noise + (size_t(rq) * steps + k) * vocab + row0, 4 * rows,
+                         &noise_bar[2 * warp + s]);
+      }
+    }
+  };
   if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, 0, inv_t, key0, key1, pos, tid, THREADS);
 
   Stamp(a, 0, 1);
@@ -837,6 +946,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (kBaseAhead && tiles.total() > 0) {
       LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
     }
+    if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
       const int j = next_tile;
@@ -862,6 +972,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           if (kBaseAhead) {
             LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
           }
+          if (noise_pass) StageNoise(k, RowOf(next_tile), (noise_tiles + 1) & 1);
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
@@ -987,6 +1098,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
+      // This tile's staged noise: [B][16] floats.
+      const float* tile_noise = noise_stage + (size_t(warp) * 2 + (noise_tiles & 1)) * batch * kTileRows;
+      if (noise_pass) {
+        MbarrierWait(&noise_bar[2 * warp + (noise_tiles & 1)], (noise_tiles >> 1) & 1);
+        ++noise_tiles;
+      }
       // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
       // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
       // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
@@ -1006,10 +1123,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      // Sampled rows whose noise is in shared memory and greedy rows with logits out: l_k, rounded to
-      // the logits dtype decltype(logits_dtype)::value (kNone: no logits out), and its Gumbel score,
-      // with selects and predicated stores rather than branches. The noise is read only for sampled
-      // requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
+      // Sampled rows whose noise is in shared memory (the fill or the stage), and greedy rows with
+      // logits out: l_k, rounded to the logits dtype decltype(logits_dtype)::value (kNone: no logits
+      // out), and its Gumbel score, with selects and predicated stores rather than branches. The noise
+      // is read only for sampled requests (only they have it); rows past vocab_size score -inf,
+      // whatever noise they read.
       const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
         constexpr int kOut = decltype(logits_dtype)::value;
 #pragma unroll
@@ -1023,18 +1141,26 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            if constexpr (kOut != kNone) l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
-            const float score = it > 0.0f ? __fadd_rn(__fmul_rn(l, it), noise[rq * stage_rows + row - first_row]) : l;
+            if constexpr (kOut == kAnyDType) {
+              l = StoreRoundedSelect(a.logits, size_t(out_line) * vocab + row, a.logits_dtype, l,
+                                     a.logits != nullptr && owner < batch && row < vocab);
+            } else if constexpr (kOut != kNone) {
+              l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
+            }
+            float score = l;
+            if (it > 0.0f) {
+              score = __fadd_rn(__fmul_rn(l, it), noise_pass ? tile_noise[rq * kTileRows + row - row0] : noise[rq * stage_rows + row - first_row]);
+            }
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
         }
       };
-      // Every other case. Sampled batches without the fill compute their noise here; the wgmma kernels
-      // that of kNoiseGroup slots' two rows at a time, for greedy requests too (unused), in lockstep
-      // (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the warp waiting on each.
-      // One copy of this code, the logits dtype chosen with selects: a copy per dtype spills
-      // registers at 16 slots a thread.
+      // Every other case. Sampled batches with neither the fill nor the stage compute their noise here;
+      // the wgmma kernels that of kNoiseGroup slots' two rows at a time, for greedy requests too
+      // (unused), in lockstep (GumbelNoise<N>): one chain of dependent multiplies at a time leaves the
+      // warp waiting on each. One copy of this code, the logits dtype chosen with selects: a copy per
+      // dtype spills registers at 16 slots a thread.
       const auto GeneralEpilogue = [&]() {
         const bool compute_noise = any_sampled && !a.noise_ahead;
 #pragma unroll
@@ -1092,9 +1218,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
       } else if (kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kF16>());
+      } else if (!kNoiseFreeEpilogue && noise_pass) {
+        NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
       } else {
-        // At 16 slots a thread, where the epilogue above would spill, every batch that samples or
-        // writes logits comes here.
+        // At 16 slots a thread, where the epilogue above would spill in four copies, every batch that
+        // samples or writes logits comes here, but those whose noise is staged.
         GeneralEpilogue();
       }
       if (kBaseAhead) {
@@ -1180,17 +1308,31 @@ inline ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
 }
 
+// Rows of W2 per CTA on `sm_count` SMs.
+inline int RowsPerCta(int vocab, int sm_count) {
+  const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
+  return (total_tiles + sm_count - 1) / sm_count * kTileRows;
+}
+
+// Whether each step's Gumbel noise of `batch` requests fits in shared memory (FillNoise): small
+// batches compute it there, at the price of about one resident W2 tile per request.
+inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
+  return size_t(batch) * rows_per_cta * sizeof(float) <= size_t(kMaxNoiseBytes);
+}
+
+// One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
+// `noise_buffer` (room for [batch, K, V] floats), has its noise computed there first by
+// MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2>
-ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args) {
+ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
   // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
   constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
-  const int total_tiles = (args.vocab + kTileRows - 1) / kTileRows;
   const int grid = props.sm_count;
-  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  const int rows_per_cta = args.tiles_per_cta * kTileRows;
+  const int rows_per_cta = RowsPerCta(args.vocab, grid);
+  args.tiles_per_cta = rows_per_cta / kTileRows;
   // Small batches (kernels of up to 16 columns) stage each step's base logits in shared memory (one
   // bulk copy per step, issued before the grid-wide wait), at the price of a few resident W2 tiles.
   // The staging is a template parameter: were it chosen at run time, the registers that take the
@@ -1203,12 +1345,21 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true>;
   }
-  // Small batches that may sample compute each step's Gumbel noise ahead (FillNoise), at the price of
-  // about one resident W2 tile per request.
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
-  args.noise_ahead = args.sampling && noise_bytes <= kMaxNoiseBytes;
+  args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
+  args.noise = nullptr;
+  // The stage's bulk copies take 16-byte multiples: V % 4 == 0 (so a tile's row run starts aligned).
+  if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr &&
+      args.vocab % 4 == 0) {
+    const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
+    MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
+    args.noise = noise_buffer;
+  }
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * 2 * args.batch * kTileRows * int(sizeof(float)) : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
-                    (args.noise_ahead ? noise_bytes : 0);
+                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
@@ -1238,28 +1389,28 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
 // format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
 template <int W2>
 ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
-                            const WalkArgs& args) {
+                            const WalkArgs& args, float* noise_buffer) {
   if constexpr (W2 == kW2Int8) {
-    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args);
+    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
   }
   if (split) {
-    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args);
-    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args);
-    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args);
-    return Launch<8, true, false, W2>(stream, device, props, args);
+    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args, noise_buffer);
+    return Launch<8, true, false, W2>(stream, device, props, args, noise_buffer);
   }
-  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args);
-  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args);
-  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args);
-  return Launch<8, false, false, W2>(stream, device, props, args);
+  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args, noise_buffer);
+  return Launch<8, false, false, W2>(stream, device, props, args, noise_buffer);
 }
 
 extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&);
+                                                     const WalkArgs&, float*);
 extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                    const WalkArgs&);
+                                                    const WalkArgs&, float*);
 extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&);
+                                                     const WalkArgs&, float*);
 
 }  // namespace walk
 }  // namespace jax_markov

@@ -4,7 +4,7 @@
 namespace jax_markov {
 namespace walk {
 
-template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&, const WalkArgs&);
+template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&, const WalkArgs&, float*);
 
 }  // namespace walk
 }  // namespace jax_markov
