@@ -14,6 +14,8 @@ import numpy as np
 
 import jax_markov as jm
 
+MODES = ("greedy", "greedy-logits", "probabilistic")
+
 
 def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
     """`calls` chained walks of one configuration; head_format "int8" (quantized) or "bf16"."""
@@ -24,10 +26,10 @@ def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"
     head = jm.quantize(head) if head_format == "int8" else head
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
-    kw = {}
+    kw = {} if mode == "greedy" else dict(return_logits=True, logits_dtype=jnp.bfloat16)
     if mode == "probabilistic":
-        kw = dict(temperature=jnp.full((batch,), 0.8), key=jax.random.split(jax.random.key(1), batch),
-                  position=jnp.arange(batch, dtype=jnp.int32), return_logits=True, logits_dtype=jnp.bfloat16)
+        kw.update(temperature=jnp.full((batch,), 0.8), key=jax.random.split(jax.random.key(1), batch),
+                  position=jnp.arange(batch, dtype=jnp.int32))
     f = jax.jit(lambda base, anchor: jm.walk(base, anchor, head, impl="ffi", **kw))
     for _ in range(calls):
         out = f(base, anchor)
@@ -37,8 +39,11 @@ def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"
 
 
 def parse(spec: str) -> tuple:
-    """"V,K,B,mode[,head]" -> (V, K, B, mode, head_format)."""
+    """"V,K,B,mode[,head]" -> (V, K, B, mode, head_format). Modes: greedy (no logits out), greedy-logits
+    (bf16 logits out), probabilistic (every request at T = 0.8, bf16 logits out)."""
     parts = spec.split(",")
+    if parts[3] not in MODES:
+        raise ValueError(f"mode {parts[3]!r} of {spec!r} is not one of {MODES}")
     return int(parts[0]), int(parts[1]), int(parts[2]), parts[3], parts[4] if len(parts) > 4 else "int8"
 
 
