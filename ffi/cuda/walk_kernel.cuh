@@ -399,9 +399,12 @@ __device__ __forceinline__ int SlotRequest(int i, int t) {
   return SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
 }
 
+// The shared-memory address of a generic pointer into shared memory, as PTX's shared instructions take it.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool fill) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem_dst)), "l"(src), "r"(fill ? 16 : 0)
+               : "memory");
 }
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -431,7 +434,6 @@ __host__ __device__ constexpr bool ReadsNoisePass(int nt, bool split, bool digit
 
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
 // completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
