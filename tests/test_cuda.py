@@ -161,10 +161,16 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
     check_parity(base, anchor, head, kw)
 
 
+# 16-bit logits go out through shared memory, 16 bytes a store, where V % 8 == 0 (40008 and 100008
+# end in a half tile), and one value a store otherwise (40009, 100003), at every MMA width: 3, 8, 16,
+# 24, 40 and 64 requests. 24 and 40 sampled requests at V = 100003 and 100008 read their noise from
+# MarkovWalkNoise (V odd and even).
+@pytest.mark.parametrize("batch,vocab,mode", [(3, 40008, "sampled"), (8, 40009, "sampled"), (16, 40008, "greedy"),
+                                              (24, 100003, "mixed"), (40, 100008, "mixed"), (64, 40008, "greedy")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
-def test_parity_narrow_logits(check_parity, logits_dtype):
-    rng = np.random.default_rng(11)
-    base, anchor, head, kw = make_case(rng, 8, 6, 40009, sampled=True)
+def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
+    rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)
+    base, anchor, head, kw = make_case(rng, batch, 6, vocab, sampled=mode == "sampled", mixed=mode == "mixed")
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 

@@ -168,14 +168,14 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
   const int logits_esize = logits_dtype == kF32 ? 4 : 2;
   // Sampled batches of kNoisePassRequests or more whose noise does not fit in shared memory get it
-  // from MarkovWalkNoise, in scratch that XLA lends for this call ([widest launch, K, V] floats,
-  // reused by every launch in stream order; V % 4 == 0 for the walk's bulk copies of it). Without it
-  // (another V, or the allocation failed) the walk computes the noise itself, slower.
+  // from MarkovWalkNoise, in scratch that XLA lends for this call ([K, ceil(V / 16), widest launch, 16]
+  // floats, reused by every launch in stream order). Without it (the allocation failed) the walk
+  // computes the noise itself, slower.
   float* noise_buffer = nullptr;
   const int64_t widest = std::min(chunk, batch);
-  if (sampling && vocab % 4 == 0 && widest >= kNoisePassRequests &&
-      !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
-    const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * vocab * sizeof(float), 16);
+  if (sampling && widest >= kNoisePassRequests && !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
+    const size_t tiles = (vocab + kTileRows - 1) / kTileRows;
+    const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * tiles * kTileRows * sizeof(float), 16);
     if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
   }
   for (int64_t b0 = 0; b0 < batch; b0 += chunk) {

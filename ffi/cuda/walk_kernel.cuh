@@ -26,9 +26,11 @@
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
 //   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
 //   grid's choice (FillNoise). Batches of 9 or more requests have all of it computed before the walk
-//   by a kernel of their own (MarkovWalkNoise, into scratch); each warp stages a tile's share in
-//   shared memory a tile ahead (bulk copies on an mbarrier), so that scoring takes the branch-free
-//   epilogue. Otherwise the scoring epilogue computes it.
+//   by a kernel of their own (MarkovWalkNoise, into scratch, tile-major); each warp stages a tile's
+//   share in shared memory a tile ahead (one bulk copy on an mbarrier), so that scoring takes the
+//   branch-free epilogue. Otherwise the scoring epilogue computes it.
+// - 16-bit logits leave a tile through a per-warp shared-memory buffer: stmatrix transposes the
+//   accumulator-shaped values so that each lane stores 16 bytes (8 rows of one request), not 2.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -99,7 +101,11 @@ struct WalkArgs {
   int tiles_per_cta, resident_tiles;
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead;  // 1: each step's Gumbel noise of a CTA's rows is computed into shared memory first
-  const float* noise;  // [B, K, V] the sampled requests' Gumbel noise (MarkovWalkNoise), or null
+  // The sampled requests' Gumbel noise (MarkovWalkNoise), tile-major so that a tile's noise for the
+  // whole batch is one run: [K][ceil(V / 16)][B][16] floats; or null.
+  const float* noise;
+  // 1: 16-bit logits go out through a per-warp shared-memory buffer (stmatrix), 16 bytes a store.
+  int logits_staged;
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -127,32 +133,44 @@ __device__ __forceinline__ void StampWarp(const WalkArgs&, int, int) {}
 __device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
 // l rounded to the logits dtype DTYPE, stored at p[i] if `store`; returns the rounded value (the walk
-// chooses from it).
+// chooses from it) and, for a 16-bit dtype, its bits in *bits16 (for a staged store).
 template <int DTYPE>
-__device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool store) {
+__device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool store, uint32_t* bits16 = nullptr) {
   if constexpr (DTYPE == kF32) {
     if (store) __stcs(static_cast<float*>(p) + i, l);
     return l;
   } else if constexpr (DTYPE == kBF16) {
     const __nv_bfloat16 r = __float2bfloat16_rn(l);
     if (store) __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
+    if (bits16 != nullptr) *bits16 = __bfloat16_as_ushort(r);
     return __bfloat162float(r);
   } else {
     const __half r = __float2half_rn(l);
     if (store) __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
+    if (bits16 != nullptr) *bits16 = __half_as_ushort(r);
     return __half2float(r);
   }
 }
 
 // The same for a dtype known at run time, without branches: both 16-bit roundings are computed and
 // the store of the matching width is predicated.
-__device__ __forceinline__ float StoreRoundedSelect(void* p, size_t i, int dtype, float l, bool store) {
+__device__ __forceinline__ float StoreRoundedSelect(void* p, size_t i, int dtype, float l, bool store,
+                                                    uint32_t* bits16 = nullptr) {
   const __nv_bfloat16 rb = __float2bfloat16_rn(l);
   const __half rh = __float2half_rn(l);
   const bool bf16 = dtype == kBF16;
+  const unsigned short bits = bf16 ? __bfloat16_as_ushort(rb) : __half_as_ushort(rh);
   if (store && dtype == kF32) __stcs(static_cast<float*>(p) + i, l);
-  if (store && dtype != kF32) __stcs(static_cast<unsigned short*>(p) + i, bf16 ? __bfloat16_as_ushort(rb) : __half_as_ushort(rh));
+  if (store && dtype != kF32) __stcs(static_cast<unsigned short*>(p) + i, bits);
+  if (bits16 != nullptr) *bits16 = bits;
   return dtype == kF32 ? l : (bf16 ? __bfloat162float(rb) : __half2float(rh));
+}
+
+// Stores two 8 x 8 matrices of 16-bit values, held as an MMA accumulator fragment (lane (g, t): row
+// g, columns 2t and 2t + 1 in r0 for the first, r1 for the second), transposed: lane c (c < 8) gives
+// the address of the first matrix's column c (16 bytes), lane 8 + c that of the second's.
+__device__ __forceinline__ void StoreMatrixPairTransposed(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(r0), "r"(r1) : "memory");
 }
 
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
@@ -554,7 +572,7 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
   }
 }
 
-// Every sampled request's Gumbel noise for all K steps, noise[b][k][v], before the walk starts
+// Every sampled request's Gumbel noise for all K steps (a.noise's layout), before the walk starts
 // (batches whose noise does not fit in shared memory), at full occupancy with kNoiseChains
 // independent Philox chains a thread. With the noise at hand the walk scores with the branch-free
 // epilogue, whose branches cost the general one more than the noise itself (benchmarks/NOTES.md,
@@ -579,10 +597,11 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
     position[i] = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
   }
   GumbelNoise<CHAINS>(k0, k1, v, position, g);
-  float* line = noise + (size_t(b) * a.steps + k) * a.vocab;
+  const size_t tiles = (a.vocab + kTileRows - 1) / kTileRows;
 #pragma unroll
   for (int i = 0; i < CHAINS; ++i) {
-    if (v[i] < uint32_t(a.vocab)) __stcs(line + v[i], g[i]);
+    const size_t tile = v[i] / kTileRows;
+    if (v[i] < uint32_t(a.vocab)) __stcs(noise + ((k * tiles + tile) * a.batch + b) * kTileRows + v[i] % kTileRows, g[i]);
   }
 }
 
@@ -674,6 +693,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
   // whose noise is staged.
   constexpr int kAnyDType = -2;
+  // Logits staged for 16-byte stores (a.logits_staged): see out_stage.
+  constexpr bool kStagedOut = !SPLIT && !DIGITS;
+  constexpr int kOutStageBytes = NT * 2 * 8 * 16;
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -715,7 +737,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // staging kernels' batches' noise always fits ahead).
   const bool noise_pass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && a.noise != nullptr;
   float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
-  unsigned char* resident = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * 2 * a.batch * kTileRows : 0));
+  // 16-bit logits out, staged per warp ([NT][2][8] pieces of 16 bytes: request 8 nt + c's rows 8 h ..
+  // 8 h + 7 of the tile), where lanes hold whole requests' columns (not SPLIT, not DIGITS).
+  const bool staged_out = kStagedOut && a.logits_staged;
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * 2 * a.batch * kTileRows : 0));
+  unsigned char* resident = out_stage + (staged_out ? kWarps * kOutStageBytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -786,23 +812,42 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // The noise stage: this warp's buffer u % 2 takes the noise of the u-th tile it scores (counted
   // over all steps), so that buffer's mbarrier completes its phase u / 2 for it.
   uint32_t noise_tiles = 0;
-  // Issues the bulk copies of step k's noise of the tile at row0 (sampled requests only) into buffer
-  // s. Its previous tile was read by this warp's ordinary loads, which the fence orders before the
-  // copies' writes.
+  // Issues the bulk copy of step k's noise of the tile at row0 ([B][16] floats, one run of a.noise;
+  // greedy requests' lines are never read) into buffer s. Its previous tile was read by this warp's
+  // ordinary loads, which the fence orders before the copy's writes.
   const auto StageNoise = [&](int k, int row0, uint32_t s) {
-    const uint32_t rows = min(kTileRows, vocab - row0);
-    const bool first = lane < batch && inv_t[lane] > 0.0f, second = lane + 32 < batch && inv_t[lane + 32] > 0.0f;
-    const uint32_t requests = __popc(__ballot_sync(0xffffffffu, first)) + __popc(__ballot_sync(0xffffffffu, second));
     float* buffer = noise_stage + (size_t(warp) * 2 + s) * batch * kTileRows;
     FenceSharedForAsyncProxy();
-    if (lane == 0) MbarrierArriveExpectTx(&noise_bar[2 * warp + s], requests * rows * 4);
     __syncwarp();
-    for (int rq = lane; rq < batch; rq += 32) {
-      if (inv_t[rq] > 0.0f) {
-        BulkCopyToShared(buffer + rq * kTileRows, a.noise + (size_t(rq) * steps + k) * vocab + row0, 4 * rows,
-                         &noise_bar[2 * warp + s]);
+    if (lane == 0) {
+      const uint32_t bytes = batch * kTileRows * sizeof(float);
+      MbarrierArriveExpectTx(&noise_bar[2 * warp + s], bytes);
+      BulkCopyToShared(buffer, a.noise + (size_t(k) * total_tiles + row0 / kTileRows) * batch * kTileRows, bytes,
+                       &noise_bar[2 * warp + s]);
+    }
+  };
+  // Writes step k's rounded 16-bit logits of the tile at row0, held as fragments (bits[nt][h]: rows
+  // 8 h + g, requests 8 nt + 2t, 8 nt + 2t + 1), through this warp's out_stage buffer: transposed
+  // there so that 16 bytes hold 8 rows of one request, then stored 16 bytes a lane (both halves of a
+  // request's 32 bytes in one warp store). Rows past V (V % 8 == 0: whole pieces) and requests past
+  // the batch are not written.
+  const auto WriteStagedLogits = [&](int k, const uint32_t (&bits)[kStagedOut ? NT : 1][2], int row0) {
+    unsigned char* buffer = out_stage + warp * kOutStageBytes;
+    const int h = (lane >> 3) & 1, c = lane & 7;
+#pragma unroll
+    for (int nt = 0; nt < (kStagedOut ? NT : 1); ++nt) {
+      StoreMatrixPairTransposed(SharedAddress(buffer + ((nt * 2 + h) * 8 + c) * 16), bits[nt][0], bits[nt][1]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int p = lane; p < NT * 16; p += 32) {
+      const int rq = 8 * (p >> 4) + (p & 7), row = row0 + 8 * ((p >> 3) & 1);
+      if (rq < batch && row < vocab) {
+        __stcs(reinterpret_cast<uint4*>(static_cast<unsigned short*>(a.logits) + (size_t(rq) * steps + k) * vocab + row),
+               *reinterpret_cast<const uint4*>(buffer + p * 16));
       }
     }
+    __syncwarp();  // the buffer is read before the next tile's matrices overwrite it
   };
   if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, 0, inv_t, key0, key1, pos, tid, THREADS);
 
@@ -1132,6 +1177,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // whatever noise they read.
       const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
         constexpr int kOut = decltype(logits_dtype)::value;
+        constexpr bool kPack = kStagedOut && kOut != kNone && kOut != kF32;
+        uint32_t out_bits[kPack ? NT : 1][2] = {};  // staged_out: the rounded logits, as fragments
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
@@ -1143,12 +1190,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            uint32_t bits16 = 0;
             if constexpr (kOut == kAnyDType) {
               l = StoreRoundedSelect(a.logits, size_t(out_line) * vocab + row, a.logits_dtype, l,
-                                     a.logits != nullptr && owner < batch && row < vocab);
+                                     a.logits != nullptr && owner < batch && row < vocab && !staged_out, &bits16);
             } else if constexpr (kOut != kNone) {
-              l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l, owner < batch && row < vocab);
+              l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l,
+                                       owner < batch && row < vocab && !staged_out, &bits16);
             }
+            if constexpr (kPack) out_bits[i / 2][h] |= bits16 << (16 * (i % 2));
             float score = l;
             if (it > 0.0f) {
               score = __fadd_rn(__fmul_rn(l, it), noise_pass ? tile_noise[rq * kTileRows + row - row0] : noise[rq * stage_rows + row - first_row]);
@@ -1156,6 +1206,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
+        }
+        if constexpr (kPack) {
+          if (staged_out) WriteStagedLogits(k, out_bits, row0);
         }
       };
       // Every other case. Sampled batches with neither the fill nor the stage compute their noise here;
@@ -1220,11 +1273,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
       } else if (kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kF16>());
-      } else if (!kNoiseFreeEpilogue && noise_pass) {
+      } else if (!kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
       } else {
-        // At 16 slots a thread, where the epilogue above would spill in four copies, every batch that
-        // samples or writes logits comes here, but those whose noise is staged.
+        // At 16 slots a thread, where the epilogue above would spill in four copies, sampled batches
+        // that compute their noise come here.
         GeneralEpilogue();
       }
       if (kBaseAhead) {
@@ -1323,7 +1376,7 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
 }
 
 // One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
-// `noise_buffer` (room for [batch, K, V] floats), has its noise computed there first by
+// `noise_buffer` (room for [K, ceil(V / 16), batch, 16] floats), has its noise computed there first by
 // MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
@@ -1350,9 +1403,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
   args.noise = nullptr;
-  // The stage's bulk copies take 16-byte multiples: V % 4 == 0 (so a tile's row run starts aligned).
-  if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr &&
-      args.vocab % 4 == 0) {
+  if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
     MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
     const cudaError_t err = cudaGetLastError();
@@ -1360,8 +1411,12 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     args.noise = noise_buffer;
   }
   const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * 2 * args.batch * kTileRows * int(sizeof(float)) : 0;
+  // 16-bit logits go out 16 bytes (8 rows of a request) a store, where a lane's MMA columns are whole
+  // requests and V % 8 == 0 (so that every store is aligned and a tile's rows past V are whole pieces).
+  args.logits_staged = !SPLIT && !DIGITS && args.logits != nullptr && args.logits_dtype != kF32 && args.vocab % 8 == 0;
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * NT * 2 * 8 * 16 : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
-                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes;
+                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
