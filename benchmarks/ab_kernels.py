@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CALLS = 3  # profile_kernel.py's chained walks per config
+MEASURE_TIMEOUT_S = 300  # one ncu run; a hung one fails with what it printed, not at the caller's limit
 MAX_COLUMNS = 64  # one launch walks up to 64 requests (bf16 W1: one column each)
 NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk", "--metrics", "gpu__time_duration.sum"]
 _DURATION = re.compile(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)")
@@ -87,7 +88,7 @@ def summary(runs: dict[str, list[dict[str, list[float]]]], configs: list[str]) -
 
 def build(tree: Path) -> None:
     """Builds the tree's CUDA and CPU modules into /tmp and copies them into its jax_markov/."""
-    build_dir = Path("/tmp") / f"ab_build_{tree.resolve().name}"
+    build_dir = Path("/tmp") / f"ab_build_{tree_name(tree)}"
     cmake = ["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", f"-DPython_EXECUTABLE={sys.executable}",
              "-DCMAKE_BUILD_TYPE=Release"]
     for cmd in (cmake, ["ninja", "-C", str(build_dir), "_markov_cuda", "_markov_cpu"]):
@@ -98,11 +99,20 @@ def build(tree: Path) -> None:
         shutil.copy(module, tree / "jax_markov")
 
 
+def tree_name(tree: Path) -> str:
+    """A tree's name in the tables: its folder's name, also for "." ."""
+    return tree.resolve().name
+
+
 def measure(tree: Path, configs: list[str]) -> dict[str, list[float]]:
     """One ncu run of profile_kernel.py in the tree: the launch durations per config."""
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
-    done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", *configs], cwd=tree, env=env,
-                          capture_output=True, text=True)
+    try:
+        done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", *configs], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        printed = (e.stdout or b"").decode(errors="replace")[-3000:]  # bytes even with text=True
+        raise RuntimeError(f"ncu in {tree} ran past {MEASURE_TIMEOUT_S} s; it printed:\n{printed}") from e
     if done.returncode != 0:
         raise RuntimeError(f"ncu in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return per_config(parse_durations(done.stdout), configs)
@@ -123,17 +133,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(len(trees)) as pool:
         list(pool.map(build, trees))
-    runs = {t.name: [] for t in trees}
+    runs = {tree_name(t): [] for t in trees}
     with open(out / "ab_durations.log", "w") as log:
         log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py {' '.join(configs)}\n")
         for r in range(args.rounds):
             for t in trees:
                 durations = measure(t, configs)
-                runs[t.name].append(durations)
+                runs[tree_name(t)].append(durations)
                 line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
-                log.write(f"== {t.name} round {r + 1}: {line}\n")
+                log.write(f"== {tree_name(t)} round {r + 1}: {line}\n")
                 log.flush()  # a run cut short by a time limit keeps the rounds it finished
-                print(f"{t.name} round {r + 1} done", flush=True)
+                print(f"{tree_name(t)} round {r + 1} done", flush=True)
     table = summary(runs, configs)
     (out / "ab_kernels.md").write_text(f"# Kernel A/B ({args.rounds} rounds, median us per launch)\n\n{table}\n")
     print(table)

@@ -43,3 +43,9 @@ def test_summary_medians_over_rounds_and_change_against_the_first_tree():
     table = ab_kernels.summary(runs, configs).splitlines()
     assert table[0] == "| config | main | new | new vs main |"
     assert table[2] == "| a,1,1,greedy | 100.0 | 90.0 | -10.0 % |"
+
+
+def test_a_tree_given_as_dot_is_named_by_its_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ab_kernels.tree_name(Path(".")) == tmp_path.name
+    assert ab_kernels.tree_name(Path("../" + tmp_path.name)) == tmp_path.name
