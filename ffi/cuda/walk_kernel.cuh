@@ -450,6 +450,10 @@ __host__ __device__ constexpr bool ReadsNoisePass(int nt, bool split, bool digit
   return !digits && (split ? 4 * nt : 8 * nt) >= kNoisePassRequests;
 }
 
+// Whether kernel <SPLIT, DIGITS> can stage 16-bit logits for 16-byte stores (see out_stage): where a
+// lane's MMA columns are whole requests.
+__host__ __device__ constexpr bool StagesLogits(bool split, bool digits) { return !split && !digits; }
+
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
 // completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
 
@@ -650,6 +654,9 @@ struct Smem {
   // + the last-CTA flag, then two mbarriers a warp (the noise stage).
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
+  // A warp's noise stage (two tiles' [B][16] floats) and staged logits ([NT][2][8] pieces of 16 bytes).
+  __host__ __device__ static constexpr int NoiseStageFloats(int batch) { return 2 * batch * kTileRows; }
+  static constexpr int kOutStageBytes = NT * 2 * 8 * 16;
 };
 
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
@@ -694,8 +701,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // whose noise is staged.
   constexpr int kAnyDType = -2;
   // Logits staged for 16-byte stores (a.logits_staged): see out_stage.
-  constexpr bool kStagedOut = !SPLIT && !DIGITS;
-  constexpr int kOutStageBytes = NT * 2 * 8 * 16;
+  constexpr bool kStagedOut = StagesLogits(SPLIT, DIGITS);
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -740,8 +746,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // 16-bit logits out, staged per warp ([NT][2][8] pieces of 16 bytes: request 8 nt + c's rows 8 h ..
   // 8 h + 7 of the tile), where lanes hold whole requests' columns (not SPLIT, not DIGITS).
   const bool staged_out = kStagedOut && a.logits_staged;
-  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * 2 * a.batch * kTileRows : 0));
-  unsigned char* resident = out_stage + (staged_out ? kWarps * kOutStageBytes : 0);
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
+  unsigned char* resident = out_stage + (staged_out ? kWarps * Smem<NT>::kOutStageBytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -832,7 +838,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // request's 32 bytes in one warp store). Rows past V (V % 8 == 0: whole pieces) and requests past
   // the batch are not written.
   const auto WriteStagedLogits = [&](int k, const uint32_t (&bits)[kStagedOut ? NT : 1][2], int row0) {
-    unsigned char* buffer = out_stage + warp * kOutStageBytes;
+    unsigned char* buffer = out_stage + warp * Smem<NT>::kOutStageBytes;
     const int h = (lane >> 3) & 1, c = lane & 7;
 #pragma unroll
     for (int nt = 0; nt < (kStagedOut ? NT : 1); ++nt) {
@@ -1410,11 +1416,11 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
-  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * 2 * args.batch * kTileRows * int(sizeof(float)) : 0;
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
   // 16-bit logits go out 16 bytes (8 rows of a request) a store, where a lane's MMA columns are whole
   // requests and V % 8 == 0 (so that every store is aligned and a tile's rows past V are whole pieces).
-  args.logits_staged = !SPLIT && !DIGITS && args.logits != nullptr && args.logits_dtype != kF32 && args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * NT * 2 * 8 * 16 : 0;
+  args.logits_staged = StagesLogits(SPLIT, DIGITS) && args.logits != nullptr && args.logits_dtype != kF32 && args.vocab % 8 == 0;
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::kOutStageBytes : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
