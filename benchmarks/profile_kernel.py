@@ -14,7 +14,18 @@ import numpy as np
 
 import jax_markov as jm
 
-MODES = ("greedy", "greedy-logits", "probabilistic")
+MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32")
+
+
+def walk_options(mode: str, batch: int) -> dict:
+    """The keyword arguments of `jm.walk` for one mode."""
+    if mode == "greedy":
+        return {}
+    kw = dict(return_logits=True, logits_dtype=jnp.float32 if mode.endswith("-f32") else jnp.bfloat16)
+    if mode.startswith("probabilistic"):
+        kw.update(temperature=jnp.full((batch,), 0.8), key=jax.random.split(jax.random.key(1), batch),
+                  position=jnp.arange(batch, dtype=jnp.int32))
+    return kw
 
 
 def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
@@ -26,10 +37,7 @@ def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"
     head = jm.quantize(head) if head_format == "int8" else head
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
-    kw = {} if mode == "greedy" else dict(return_logits=True, logits_dtype=jnp.bfloat16)
-    if mode == "probabilistic":
-        kw.update(temperature=jnp.full((batch,), 0.8), key=jax.random.split(jax.random.key(1), batch),
-                  position=jnp.arange(batch, dtype=jnp.int32))
+    kw = walk_options(mode, batch)
     f = jax.jit(lambda base, anchor: jm.walk(base, anchor, head, impl="ffi", **kw))
     for _ in range(calls):
         out = f(base, anchor)
@@ -40,7 +48,8 @@ def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"
 
 def parse(spec: str) -> tuple:
     """"V,K,B,mode[,head]" -> (V, K, B, mode, head_format). Modes: greedy (no logits out), greedy-logits
-    (bf16 logits out), probabilistic (every request at T = 0.8, bf16 logits out)."""
+    (bf16 logits out), probabilistic (every request at T = 0.8, bf16 logits out); the "-f32" forms of
+    the last two write float32 logits (the API's default) instead."""
     parts = spec.split(",")
     if parts[3] not in MODES:
         raise ValueError(f"mode {parts[3]!r} of {spec!r} is not one of {MODES}")

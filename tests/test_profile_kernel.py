@@ -18,3 +18,12 @@ def test_configs_parse_with_the_int8_head_by_default():
 def test_an_unknown_mode_is_refused_not_run_as_greedy():
     with pytest.raises(ValueError, match="mode 'sampled' of '5003,3,3,sampled' is not one of"):
         profile_kernel.parse("5003,3,3,sampled")
+
+
+def test_the_f32_modes_write_float32_logits_and_the_others_bf16():
+    assert profile_kernel.walk_options("greedy", 4) == {}
+    assert profile_kernel.walk_options("greedy-logits", 4)["logits_dtype"] == profile_kernel.jnp.bfloat16
+    assert profile_kernel.walk_options("greedy-logits-f32", 4)["logits_dtype"] == profile_kernel.jnp.float32
+    sampled = profile_kernel.walk_options("probabilistic-f32", 4)
+    assert sampled["logits_dtype"] == profile_kernel.jnp.float32 and sampled["temperature"].shape == (4,)
+    assert "temperature" not in profile_kernel.walk_options("greedy-logits-f32", 4)
