@@ -108,13 +108,14 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
 # step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. (Batches of
 # 9 or more have all of it made before the walk, by MarkovWalkNoise: the mixed benchmark shapes at
-# B >= 16, test_padding_d2t_logit_scale at B = 40.)
+# B >= 16, test_padding_d2t_logit_scale at B = 40, and B = 40 here, whose f32 logits are staged in
+# shared memory and whose last tile is half outside V = 100008.)
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
     (5, 3, 151936, jnp.float32, jnp.float16), (6, 7, 151936, jnp.bfloat16, jnp.float32),
     (2, 16, 248320, jnp.bfloat16, jnp.float32),
-    (1, 7, 270336, jnp.bfloat16, jnp.float32)])
+    (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32)])
 def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dtype):
     rng = np.random.default_rng(hash((batch, steps, vocab, str(base_dtype), str(logits_dtype))) % 2**32)
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)
@@ -163,10 +164,11 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 
 # 16-bit logits go out through shared memory, 16 bytes a store, where V % 8 == 0 (40008 and 100008
 # end in a half tile), and one value a store otherwise (40009, 100003), at every MMA width: 3, 8, 16,
-# 24, 40 and 64 requests. 24 and 40 sampled requests at V = 100003 and 100008 read their noise from
-# MarkovWalkNoise (V odd and even).
+# 24, 40 and 64 requests. 24, 40 and 48 sampled requests at V = 100003 and 100008 read their noise
+# from MarkovWalkNoise (V odd and even; at 48 requests and odd V in the general epilogue).
 @pytest.mark.parametrize("batch,vocab,mode", [(3, 40008, "sampled"), (8, 40009, "sampled"), (16, 40008, "greedy"),
-                                              (24, 100003, "mixed"), (40, 100008, "mixed"), (64, 40008, "greedy")])
+                                              (24, 100003, "mixed"), (40, 100008, "mixed"), (48, 100003, "mixed"),
+                                              (64, 40008, "greedy")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
 def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
     rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)

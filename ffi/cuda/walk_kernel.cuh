@@ -29,8 +29,8 @@
 //   by a kernel of their own (MarkovWalkNoise, into scratch, tile-major); each warp stages a tile's
 //   share in shared memory a tile ahead (one bulk copy on an mbarrier), so that scoring takes the
 //   branch-free epilogue. Otherwise the scoring epilogue computes it.
-// - 16-bit logits leave a tile through a per-warp shared-memory buffer: stmatrix transposes the
-//   accumulator-shaped values so that each lane stores 16 bytes (8 rows of one request), not 2.
+// - Logits leave a tile through a per-warp shared-memory buffer: stmatrix transposes the
+//   accumulator-shaped values so that each lane stores 8 rows of one request (16 or 32 bytes), not one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -104,7 +104,7 @@ struct WalkArgs {
   // The sampled requests' Gumbel noise (MarkovWalkNoise), tile-major so that a tile's noise for the
   // whole batch is one run: [K][ceil(V / 16)][B][16] floats; or null.
   const float* noise;
-  // 1: 16-bit logits go out through a per-warp shared-memory buffer (stmatrix), 16 bytes a store.
+  // 1: logits go out through a per-warp shared-memory buffer (stmatrix), 8 rows of a request a store.
   int logits_staged;
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
@@ -133,21 +133,23 @@ __device__ __forceinline__ void StampWarp(const WalkArgs&, int, int) {}
 __device__ __forceinline__ int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
 // l rounded to the logits dtype DTYPE, stored at p[i] if `store`; returns the rounded value (the walk
-// chooses from it) and, for a 16-bit dtype, its bits in *bits16 (for a staged store).
+// chooses from it) and the bits a store writes in *bits (16-bit dtypes: the low half), for a staged
+// store.
 template <int DTYPE>
-__device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool store, uint32_t* bits16 = nullptr) {
+__device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool store, uint32_t* bits = nullptr) {
   if constexpr (DTYPE == kF32) {
     if (store) __stcs(static_cast<float*>(p) + i, l);
+    if (bits != nullptr) *bits = __float_as_uint(l);
     return l;
   } else if constexpr (DTYPE == kBF16) {
     const __nv_bfloat16 r = __float2bfloat16_rn(l);
     if (store) __stcs(static_cast<unsigned short*>(p) + i, __bfloat16_as_ushort(r));
-    if (bits16 != nullptr) *bits16 = __bfloat16_as_ushort(r);
+    if (bits != nullptr) *bits = __bfloat16_as_ushort(r);
     return __bfloat162float(r);
   } else {
     const __half r = __float2half_rn(l);
     if (store) __stcs(static_cast<unsigned short*>(p) + i, __half_as_ushort(r));
-    if (bits16 != nullptr) *bits16 = __half_as_ushort(r);
+    if (bits != nullptr) *bits = __half_as_ushort(r);
     return __half2float(r);
   }
 }
@@ -155,14 +157,14 @@ __device__ __forceinline__ float StoreRoundedAs(void* p, size_t i, float l, bool
 // The same for a dtype known at run time, without branches: both 16-bit roundings are computed and
 // the store of the matching width is predicated.
 __device__ __forceinline__ float StoreRoundedSelect(void* p, size_t i, int dtype, float l, bool store,
-                                                    uint32_t* bits16 = nullptr) {
+                                                    uint32_t* bits = nullptr) {
   const __nv_bfloat16 rb = __float2bfloat16_rn(l);
   const __half rh = __float2half_rn(l);
   const bool bf16 = dtype == kBF16;
-  const unsigned short bits = bf16 ? __bfloat16_as_ushort(rb) : __half_as_ushort(rh);
+  const unsigned short bits16 = bf16 ? __bfloat16_as_ushort(rb) : __half_as_ushort(rh);
   if (store && dtype == kF32) __stcs(static_cast<float*>(p) + i, l);
-  if (store && dtype != kF32) __stcs(static_cast<unsigned short*>(p) + i, bits);
-  if (bits16 != nullptr) *bits16 = bits;
+  if (store && dtype != kF32) __stcs(static_cast<unsigned short*>(p) + i, bits16);
+  if (bits != nullptr) *bits = dtype == kF32 ? __float_as_uint(l) : bits16;
   return dtype == kF32 ? l : (bf16 ? __bfloat162float(rb) : __half2float(rh));
 }
 
@@ -171,6 +173,12 @@ __device__ __forceinline__ float StoreRoundedSelect(void* p, size_t i, int dtype
 // the address of the first matrix's column c (16 bytes), lane 8 + c that of the second's.
 __device__ __forceinline__ void StoreMatrixPairTransposed(uint32_t addr, uint32_t r0, uint32_t r1) {
   asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(r0), "r"(r1) : "memory");
+}
+
+// The same for four matrices (lanes 16 + c and 24 + c give the third's and fourth's column addresses).
+__device__ __forceinline__ void StoreMatrixQuadTransposed(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3) : "memory");
 }
 
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
@@ -450,9 +458,12 @@ __host__ __device__ constexpr bool ReadsNoisePass(int nt, bool split, bool digit
   return !digits && (split ? 4 * nt : 8 * nt) >= kNoisePassRequests;
 }
 
-// Whether kernel <SPLIT, DIGITS> can stage 16-bit logits for 16-byte stores (see out_stage): where a
-// lane's MMA columns are whole requests.
-__host__ __device__ constexpr bool StagesLogits(bool split, bool digits) { return !split && !digits; }
+// Whether kernel <NT, SPLIT, DIGITS> stages logits (of 4 bytes if F32, else 2) for 8-row stores (see
+// out_stage): where a lane's MMA columns are whole requests; f32 ones in the wgmma kernels, whose
+// 16 slots a thread make each value's own store cost most.
+__host__ __device__ constexpr bool StagesLogits(int nt, bool split, bool digits, bool f32) {
+  return !split && !digits && (!f32 || nt >= 4);
+}
 
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
 // completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
@@ -701,7 +712,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // whose noise is staged.
   constexpr int kAnyDType = -2;
   // Logits staged for 16-byte stores (a.logits_staged): see out_stage.
-  constexpr bool kStagedOut = StagesLogits(SPLIT, DIGITS);
+  constexpr bool kStagedOut = StagesLogits(NT, SPLIT, DIGITS, false);
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -743,11 +754,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // staging kernels' batches' noise always fits ahead).
   const bool noise_pass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && a.noise != nullptr;
   float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
-  // 16-bit logits out, staged per warp ([NT][2][8] pieces of 16 bytes: request 8 nt + c's rows 8 h ..
-  // 8 h + 7 of the tile), where lanes hold whole requests' columns (not SPLIT, not DIGITS).
+  // Logits out, staged per warp where lanes hold whole requests' columns (not SPLIT, not DIGITS):
+  // [NT][2][8] pieces of 16 bytes (request 8 nt + c's rows 8 h .. 8 h + 7 of the tile) of 16-bit
+  // values; f32 values as two such arrays, their high halves and their low halves.
   const bool staged_out = kStagedOut && a.logits_staged;
+  const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
+  const int out_stage_bytes = (f32_out ? 2 : 1) * Smem<NT>::kOutStageBytes;  // a warp's
   unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
-  unsigned char* resident = out_stage + (staged_out ? kWarps * Smem<NT>::kOutStageBytes : 0);
+  unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -832,25 +846,43 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
                        &noise_bar[2 * warp + s]);
     }
   };
-  // Writes step k's rounded 16-bit logits of the tile at row0, held as fragments (bits[nt][h]: rows
-  // 8 h + g, requests 8 nt + 2t, 8 nt + 2t + 1), through this warp's out_stage buffer: transposed
-  // there so that 16 bytes hold 8 rows of one request, then stored 16 bytes a lane (both halves of a
-  // request's 32 bytes in one warp store). Rows past V (V % 8 == 0: whole pieces) and requests past
+  // staged_out: step k's rounded logits of a tile leave through this warp's out_stage buffer.
+  // StageLogits puts n-tile nt's there (stored[h][c]: the stored bits of row 8 h + g, request
+  // 8 nt + 2t + c), transposed by stmatrix so that 16 bytes hold 8 rows of one request; FlushLogits
+  // then stores whole pieces, 16 bytes a lane (32 for f32: both halves put back together), both halves
+  // of a request's rows in one warp store. Rows past V (V % 8 == 0: whole pieces) and requests past
   // the batch are not written.
-  const auto WriteStagedLogits = [&](int k, const uint32_t (&bits)[kStagedOut ? NT : 1][2], int row0) {
-    unsigned char* buffer = out_stage + warp * Smem<NT>::kOutStageBytes;
-    const int h = (lane >> 3) & 1, c = lane & 7;
-#pragma unroll
-    for (int nt = 0; nt < (kStagedOut ? NT : 1); ++nt) {
-      StoreMatrixPairTransposed(SharedAddress(buffer + ((nt * 2 + h) * 8 + c) * 16), bits[nt][0], bits[nt][1]);
+  unsigned char* out_buffer = out_stage + warp * out_stage_bytes;
+  // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
+  // (f32's low halves) in the second array.
+  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT>::kOutStageBytes : 0);
+  const auto StageLogits = [&](int nt, const uint32_t (&stored)[2][2]) {
+    const uint32_t low0 = __byte_perm(stored[0][0], stored[0][1], 0x5410), low1 = __byte_perm(stored[1][0], stored[1][1], 0x5410);
+    if (f32_out) {
+      StoreMatrixQuadTransposed(out_column + nt * 256, __byte_perm(stored[0][0], stored[0][1], 0x7632),
+                                __byte_perm(stored[1][0], stored[1][1], 0x7632), low0, low1);
+    } else {
+      StoreMatrixPairTransposed(out_column + nt * 256, low0, low1);
     }
+  };
+  const auto FlushLogits = [&](int k, int row0) {
     __syncwarp();
 #pragma unroll
     for (int p = lane; p < NT * 16; p += 32) {
       const int rq = 8 * (p >> 4) + (p & 7), row = row0 + 8 * ((p >> 3) & 1);
       if (rq < batch && row < vocab) {
-        __stcs(reinterpret_cast<uint4*>(static_cast<unsigned short*>(a.logits) + (size_t(rq) * steps + k) * vocab + row),
-               *reinterpret_cast<const uint4*>(buffer + p * 16));
+        const size_t at = (size_t(rq) * steps + k) * vocab + row;
+        const uint4 piece = *reinterpret_cast<const uint4*>(out_buffer + p * 16);
+        if (f32_out) {
+          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT>::kOutStageBytes + p * 16);
+          uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(a.logits) + at);
+          __stcs(dst, make_uint4(__byte_perm(low.x, piece.x, 0x5410), __byte_perm(low.x, piece.x, 0x7632),
+                                 __byte_perm(low.y, piece.y, 0x5410), __byte_perm(low.y, piece.y, 0x7632)));
+          __stcs(dst + 1, make_uint4(__byte_perm(low.z, piece.z, 0x5410), __byte_perm(low.z, piece.z, 0x7632),
+                                     __byte_perm(low.w, piece.w, 0x5410), __byte_perm(low.w, piece.w, 0x7632)));
+        } else {
+          __stcs(reinterpret_cast<uint4*>(static_cast<unsigned short*>(a.logits) + at), piece);
+        }
       }
     }
     __syncwarp();  // the buffer is read before the next tile's matrices overwrite it
@@ -1157,6 +1189,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         MbarrierWait(&noise_bar[2 * warp + (noise_tiles & 1)], (noise_tiles >> 1) & 1);
         ++noise_tiles;
       }
+      // The noise of request rq's row in shared memory, for the branch-free epilogue: the stage's or
+      // the fill's, noise_src[rq * noise_stride + noise_offset + row]. The wgmma kernels take it so (one
+      // load a value, not two and a select); in the 16-warp kernels the three registers spill.
+      const float* noise_src = noise_pass ? tile_noise : noise;
+      const int noise_stride = noise_pass ? kTileRows : stage_rows, noise_offset = noise_pass ? -row0 : -first_row;
       // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
       // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
       // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
@@ -1178,43 +1215,46 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       };
       // Sampled rows whose noise is in shared memory (the fill or the stage), and greedy rows with
       // logits out: l_k, rounded to the logits dtype decltype(logits_dtype)::value (kNone: no logits
-      // out), and its Gumbel score, with selects and predicated stores rather than branches. The noise
-      // is read only for sampled requests (only they have it); rows past vocab_size score -inf,
-      // whatever noise they read.
+      // out; kAnyDType: a.logits_dtype, by selects, and the logits staged if any), and its Gumbel
+      // score, with selects and predicated stores rather than branches. The noise is read only for
+      // sampled requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
       const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
         constexpr int kOut = decltype(logits_dtype)::value;
-        constexpr bool kPack = kStagedOut && kOut != kNone && kOut != kF32;
-        uint32_t out_bits[kPack ? NT : 1][2] = {};  // staged_out: the rounded logits, as fragments
+        constexpr bool kStage = kOut != kNone && StagesLogits(NT, SPLIT, DIGITS, kOut == kF32);
+        uint32_t stored[2][2];  // kStage: an n-tile's stored bits, [h][i % 2]
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
           const float it = inv_t[rq];
           const int out_line = rq * steps + k;  // of logits [B, K, V]
+          const int noise_line = rq * noise_stride + noise_offset;
           const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
-            uint32_t bits16 = 0;
             if constexpr (kOut == kAnyDType) {
-              l = StoreRoundedSelect(a.logits, size_t(out_line) * vocab + row, a.logits_dtype, l,
-                                     a.logits != nullptr && owner < batch && row < vocab && !staged_out, &bits16);
+              l = StoreRoundedSelect(nullptr, 0, a.logits_dtype, l, false, &stored[h][i % 2]);
             } else if constexpr (kOut != kNone) {
               l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l,
-                                       owner < batch && row < vocab && !staged_out, &bits16);
+                                       owner < batch && row < vocab && !staged_out, &stored[h][i % 2]);
             }
-            if constexpr (kPack) out_bits[i / 2][h] |= bits16 << (16 * (i % 2));
             float score = l;
             if (it > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, it), noise_pass ? tile_noise[rq * kTileRows + row - row0] : noise[rq * stage_rows + row - first_row]);
+              score = __fadd_rn(__fmul_rn(l, it), kWgmma ? noise_src[noise_line + row]
+                                                   : noise_pass ? tile_noise[rq * kTileRows + row - row0]
+                                                                : noise[rq * stage_rows + row - first_row]);
             }
             const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
             best[i] = key > best[i] ? key : best[i];
           }
+          if constexpr (kStage) {
+            if (staged_out && i % 2 == 1) StageLogits(i / 2, stored);
+          }
         }
-        if constexpr (kPack) {
-          if (staged_out) WriteStagedLogits(k, out_bits, row0);
+        if constexpr (kStage) {
+          if (staged_out) FlushLogits(k, row0);
         }
       };
       // Every other case. Sampled batches with neither the fill nor the stage compute their noise here;
@@ -1223,7 +1263,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // warp waiting on each. One copy of this code, the logits dtype chosen with selects: a copy per
       // dtype spills registers at 16 slots a thread.
       const auto GeneralEpilogue = [&]() {
-        const bool compute_noise = any_sampled && !a.noise_ahead;
+        const bool compute_noise = any_sampled && !a.noise_ahead && !noise_pass;
 #pragma unroll
         for (int i0 = 0; i0 < kSlots; i0 += kNoiseGroup) {
           float gumbel[2 * kNoiseGroup];
@@ -1255,6 +1295,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               float score = l;
               if (inv_t[rq] > 0.0f) {
                 const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
+                                       : noise_pass  ? tile_noise[rq * kTileRows + row - row0]
                                        : kGroupNoise ? gumbel[2 * j + h]
                                                      : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
                 score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
@@ -1279,11 +1320,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
       } else if (kNoiseFreeEpilogue && noise_free) {
         NoiseFreeEpilogue(std::integral_constant<int, kF16>());
-      } else if (!kNoiseFreeEpilogue && noise_free) {
+      } else if (!kNoiseFreeEpilogue && noise_free && (staged_out || a.logits == nullptr)) {
         NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
       } else {
         // At 16 slots a thread, where the epilogue above would spill in four copies, sampled batches
-        // that compute their noise come here.
+        // that compute their noise come here, and those with logits out that cannot be staged.
         GeneralEpilogue();
       }
       if (kBaseAhead) {
@@ -1417,10 +1458,11 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     args.noise = noise_buffer;
   }
   const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
-  // 16-bit logits go out 16 bytes (8 rows of a request) a store, where a lane's MMA columns are whole
-  // requests and V % 8 == 0 (so that every store is aligned and a tile's rows past V are whole pieces).
-  args.logits_staged = StagesLogits(SPLIT, DIGITS) && args.logits != nullptr && args.logits_dtype != kF32 && args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::kOutStageBytes : 0;
+  // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
+  // that every store is aligned and a tile's rows past V are whole pieces).
+  args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
+                       args.vocab % 8 == 0;
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::kOutStageBytes * (args.logits_dtype == kF32 ? 2 : 1) : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
