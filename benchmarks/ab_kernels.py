@@ -8,8 +8,8 @@ Make one source tree per version, carry them to the GPU (for the device tool: un
     python3 benchmarks/ab_kernels.py --out OUT --rounds 2 .dev/A .dev/B -- 151936,7,16,greedy ...
 
 Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/; every
-round runs `benchmarks/profile_kernel.py CONFIGS` of each tree under `ncu --metrics
-gpu__time_duration.sum` (3 chained walks per config, ceil(B / 64) launches per walk). OUT gets the
+round runs `benchmarks/profile_kernel.py CONFIG` of each tree under `ncu --metrics
+gpu__time_duration.sum`, one ncu process per config (3 chained walks, ceil(B / 64) launches per walk). OUT gets the
 raw durations (ab_durations.log) and the medians per config and tree, with the change against the
 first tree (ab_kernels.md).
 """
@@ -105,17 +105,23 @@ def tree_name(tree: Path) -> str:
 
 
 def measure(tree: Path, configs: list[str]) -> dict[str, list[float]]:
-    """One ncu run of profile_kernel.py in the tree: the launch durations per config."""
+    """The launch durations per config in the tree, one ncu run of profile_kernel.py each (one run of
+    eight configs once printed nothing in 600 s, where runs of one config each took 10 s)."""
+    return {c: measure_one(tree, c) for c in configs}
+
+
+def measure_one(tree: Path, config: str) -> list[float]:
+    """One ncu run of profile_kernel.py for one config in the tree: its launch durations."""
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     try:
-        done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", *configs], cwd=tree, env=env,
+        done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", config], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         printed = (e.stdout or b"").decode(errors="replace")[-3000:]  # bytes even with text=True
         raise RuntimeError(f"ncu in {tree} ran past {MEASURE_TIMEOUT_S} s; it printed:\n{printed}") from e
     if done.returncode != 0:
         raise RuntimeError(f"ncu in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return per_config(parse_durations(done.stdout), configs)
+    return per_config(parse_durations(done.stdout), [config])[config]
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """benchmarks/ab_kernels.py's bookkeeping (CPU): ncu durations to launches per config, and the summary."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +50,17 @@ def test_a_tree_given_as_dot_is_named_by_its_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert ab_kernels.tree_name(Path(".")) == tmp_path.name
     assert ab_kernels.tree_name(Path("../" + tmp_path.name)) == tmp_path.name
+
+
+def test_each_config_is_measured_in_an_ncu_run_of_its_own(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_ncu(cmd, **kwargs):
+        calls.append(cmd[cmd.index("benchmarks/profile_kernel.py") + 1:])
+        launches = ab_kernels.launches(calls[-1][0])
+        return subprocess.CompletedProcess(cmd, 0, stdout=ncu_report([(10.0 * len(calls), "us")] * launches), stderr="")
+
+    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_ncu)
+    runs = ab_kernels.measure(tmp_path, ["5003,3,3,greedy", "151936,7,128,greedy"])
+    assert calls == [["5003,3,3,greedy"], ["151936,7,128,greedy"]]
+    assert runs == {"5003,3,3,greedy": [10.0] * 3, "151936,7,128,greedy": [20.0] * 6}
