@@ -665,9 +665,11 @@ struct Smem {
   // + the last-CTA flag, then two mbarriers a warp (the noise stage).
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
-  // A warp's noise stage (two tiles' [B][16] floats) and staged logits ([NT][2][8] pieces of 16 bytes).
+  // A warp's noise stage (two tiles' [B][16] floats) and staged logits ([NT][2][8] pieces of 16 bytes;
+  // f32 logits take two such arrays, their high and low halves).
   __host__ __device__ static constexpr int NoiseStageFloats(int batch) { return 2 * batch * kTileRows; }
   static constexpr int kOutStageBytes = NT * 2 * 8 * 16;
+  __host__ __device__ static constexpr int OutStageBytes(bool f32) { return (f32 ? 2 : 1) * kOutStageBytes; }
 };
 
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
@@ -759,7 +761,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // values; f32 values as two such arrays, their high halves and their low halves.
   const bool staged_out = kStagedOut && a.logits_staged;
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
-  const int out_stage_bytes = (f32_out ? 2 : 1) * Smem<NT>::kOutStageBytes;  // a warp's
+  const int out_stage_bytes = Smem<NT>::OutStageBytes(f32_out);  // a warp's
   unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
@@ -1462,7 +1464,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // that every store is aligned and a tile's rows past V are whole pieces).
   args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
                        args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::kOutStageBytes * (args.logits_dtype == kF32 ? 2 : 1) : 0;
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::OutStageBytes(args.logits_dtype == kF32) : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
