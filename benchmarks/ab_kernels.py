@@ -139,17 +139,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(len(trees)) as pool:
         list(pool.map(build, trees))
-    runs = {tree_name(t): [] for t in trees}
+    names = {t: tree_name(t) for t in trees}
+    runs = {names[t]: [] for t in trees}
     with open(out / "ab_durations.log", "w") as log:
-        log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py {' '.join(configs)}\n")
+        log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py CONFIG, a run each of {' '.join(configs)}\n")
         for r in range(args.rounds):
             for t in trees:
                 durations = measure(t, configs)
-                runs[tree_name(t)].append(durations)
+                runs[names[t]].append(durations)
                 line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
-                log.write(f"== {tree_name(t)} round {r + 1}: {line}\n")
+                log.write(f"== {names[t]} round {r + 1}: {line}\n")
                 log.flush()  # a run cut short by a time limit keeps the rounds it finished
-                print(f"{tree_name(t)} round {r + 1} done", flush=True)
+                print(f"{names[t]} round {r + 1} done", flush=True)
     table = summary(runs, configs)
     (out / "ab_kernels.md").write_text(f"# Kernel A/B ({args.rounds} rounds, median us per launch)\n\n{table}\n")
     print(table)
