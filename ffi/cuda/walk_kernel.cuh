@@ -1492,32 +1492,5 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   return ffi::Error::Success();
 }
 
-// One launch for `columns` B columns (a request each; two with SPLIT) of W2 format W2. Each
-// format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
-template <int W2>
-ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
-                            const WalkArgs& args, float* noise_buffer) {
-  if constexpr (W2 == kW2Int8) {
-    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
-  }
-  if (split) {
-    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
-    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args, noise_buffer);
-    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args, noise_buffer);
-    return Launch<8, true, false, W2>(stream, device, props, args, noise_buffer);
-  }
-  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args, noise_buffer);
-  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args, noise_buffer);
-  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args, noise_buffer);
-  return Launch<8, false, false, W2>(stream, device, props, args, noise_buffer);
-}
-
-extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&, float*);
-extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                    const WalkArgs&, float*);
-extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&, float*);
-
 }  // namespace walk
 }  // namespace jax_markov

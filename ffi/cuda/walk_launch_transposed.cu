@@ -1,0 +1,43 @@
+// MarkovWalkTransposedKernel's launch (see walk_launch.cuh), in a translation unit of its own.
+#include "cuda/walk_launch.cuh"
+#include "cuda/walk_transposed.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
+  *launched = false;
+  const int grid = props.sm_count;
+  const int total_tiles = (args.vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
+  const int fixed = TransposedSmem::FixedBytes(args.tiles_per_cta * kTransposedTileRows);
+  if (fixed > props.smem_per_block) return ffi::Error::Success();
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
+  const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
+  auto kernel = args.base_dtype == kF32    ? MarkovWalkTransposedKernel<kF32>
+                : args.base_dtype == kBF16 ? MarkovWalkTransposedKernel<kBF16>
+                                           : MarkovWalkTransposedKernel<kF16>;
+  // Once per device and base dtype, as Launch does.
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, cudaError_t> prepared;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = prepared.find({device, args.base_dtype});
+    if (it == prepared.end()) {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
+      int per_sm = 0;
+      if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTransposedThreads, props.smem_per_block);
+      if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
+      it = prepared.emplace(std::make_pair(device, args.base_dtype), err).first;
+    }
+    if (it->second != cudaSuccess) return CudaError("preparing the transposed kernel", it->second);
+  }
+  void* params[] = {&args};
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
+  if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);
+  *launched = true;
+  return ffi::Error::Success();
+}
+
+}  // namespace walk
+}  // namespace jax_markov
