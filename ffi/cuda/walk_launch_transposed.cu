@@ -17,21 +17,8 @@ ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DevicePropert
   auto kernel = args.base_dtype == kF32    ? MarkovWalkTransposedKernel<kF32>
                 : args.base_dtype == kBF16 ? MarkovWalkTransposedKernel<kBF16>
                                            : MarkovWalkTransposedKernel<kF16>;
-  // Once per device and base dtype, as Launch does.
-  static std::mutex mu;
-  static std::map<std::pair<int, int>, cudaError_t> prepared;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = prepared.find({device, args.base_dtype});
-    if (it == prepared.end()) {
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
-      int per_sm = 0;
-      if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTransposedThreads, props.smem_per_block);
-      if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
-      it = prepared.emplace(std::make_pair(device, args.base_dtype), err).first;
-    }
-    if (it->second != cudaSuccess) return CudaError("preparing the transposed kernel", it->second);
-  }
+  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
+  if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
   void* params[] = {&args};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);

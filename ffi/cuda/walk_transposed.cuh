@@ -58,15 +58,7 @@ __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, 
   LoadRowAndEmbeds(a, b, k, lane, raw, e);
   const int shift = RowShift(e, 14, 126, lane, unscale + b);
   uint32_t words[2][2] = {};
-  const float up = Pow2(shift);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float scaled = e[i] * up;
-    const int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
-    const int low = ((v + 128) & 0xFF) - 128, high = (v - low) >> 8;  // |high| <= 64
-    words[0][i / 4] |= uint32_t(low & 0xFF) << (8 * (i % 4));
-    words[1][i / 4] |= uint32_t(high & 0xFF) << (8 * (i % 4));
-  }
+  DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
     *reinterpret_cast<uint2*>(digits + d * kTransposedTileBytes + TransposedOffset(b, 8 * lane)) = make_uint2(words[d][0], words[d][1]);
@@ -172,11 +164,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       if (k < steps && my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
       // Every CTA's step k-1 keys are in once all have arrived.
-      if (tid == 0) {
-        const unsigned int target = gridDim.x * k;
-        while (LoadAcquire(&a.counters[0]) < target) {
-        }
-      }
+      WaitForArrivals(a, k, tid);
       __syncthreads();
       Stamp(a, k, 2);
     }
@@ -189,39 +177,13 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
       } else {
-        unsigned long long key[kPerWarp];
-#pragma unroll
-        for (int p = 0; p < kPerWarp; ++p) key[p] = __ldcg(&a.slots[(k - 1) * kMaxBatch + min(warp + p * kWarps, batch - 1)]);
-#pragma unroll
-        for (int p = 0; p < kPerWarp; ++p) row[p] = ArgmaxKeyIndex(key[p]);
-        if (a.d2t != nullptr) {
-          int offset[kPerWarp];
-#pragma unroll
-          for (int p = 0; p < kPerWarp; ++p) offset[p] = __ldg(a.d2t + row[p]);
-#pragma unroll
-          for (int p = 0; p < kPerWarp; ++p) row[p] += offset[p];
-        }
-        if (blockIdx.x == 0 && lane == 0) {
-#pragma unroll
-          for (int p = 0; p < kPerWarp; ++p) {
-            const int b = warp + p * kWarps;
-            if (b < batch) a.tokens[b * steps + k - 1] = row[p];
-          }
-        }
+        FetchChoices(a.slots, (k - 1) * kMaxBatch, warp, kWarps, batch, row);
+        if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
+        if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
       }
       if (k < steps) {
         uint4 w1_raw[kPerWarp][2];
-#pragma unroll
-        for (int p = 0; p < kPerWarp; ++p) {
-          const int r = ClampIndex(row[p], a.v_target);
-          if (a.w1_dtype == kF32) {
-            const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
-            w1_raw[p][0] = __ldg(src);
-            w1_raw[p][1] = __ldg(src + 1);
-          } else {
-            w1_raw[p][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
-          }
-        }
+        LoadW1Rows(a, row, lane, w1_raw);
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
@@ -337,25 +299,18 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const unsigned long long mine = cta_best[tid];
       if (mine != 0) {
         atomicMax(&a.slots[k * kMaxBatch + tid], mine);
-        // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
-        if (a.d2t == nullptr && k + 1 < steps) {
-          const char* w1_row = static_cast<const char*>(a.w1) + size_t(ClampIndex(ArgmaxKeyIndex(mine), a.v_target)) * kRank * ElementBytes(a.w1_dtype);
-          for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(w1_row + line));
-          }
-        }
+        if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
       }
       cta_best[tid] = 0;
     }
     __syncthreads();
-    // Release: the keys above (ordered before this by the CTA barrier) are visible to whoever
-    // acquires the count.
-    if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
+    Arrive(a, tid);
     Stamp(a, k, 5);
   }
 
-  // The last CTA out leaves the workspace zeroed for the next call on this stream.
-  CpAsyncWaitPending(0);
+  // The last CTA out leaves the workspace zeroed for the next call on this stream, as MarkovWalkKernel
+  // does (written out there: as a shared function it changed MarkovWalkKernel's register allocation).
+  CpAsyncWaitPending(0);  // no copy in flight when the CTA exits
   __syncthreads();
   if (tid == 0) {
     __threadfence();
