@@ -4,10 +4,11 @@
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
 //   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): 14 significant bits, where the fp16 e
-//   of MarkovWalkKernel holds 11), one 64-row operand per digit with M row = request; B = a tile of
+//   of MarkovWalkKernel holds 11), one 64-row operand per digit with M row = request (PACKED, up to
+//   32 requests: one operand for both digits, M row 16 (b / 8) + b % 8 + 8 d, half the MMAs); B = a tile of
 //   64 W2 rows, int8 as stored, in shared memory. wgmma m64n64k32 s8 needs no conversion of W2 and
-//   no A registers, and a thread's accumulators cover 2 requests x 16 rows, so it keeps 2 best
-//   candidates (16 in MarkovWalkKernel at B = 64).
+//   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
+//   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups share a CTA's tiles round-robin (one scores while the others run their
 //   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
 //   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
@@ -50,8 +51,16 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
   }
 }
 
-// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits, rows b of the two A operands (`digits`,
-// 2 x 64 x 256); records the unscale and writes the embeds row as MarkovWalkKernel does.
+// The A operand and row of digit d of request b: row b of operand d, or (PACKED) row
+// 16 (b / 8) + b % 8 + 8 d of the one operand.
+template <bool PACKED>
+__host__ __device__ constexpr int DigitOffset(int b, int d, int k) {
+  return PACKED ? TransposedOffset(16 * (b / 8) + b % 8 + 8 * d, k) : d * kTransposedTileBytes + TransposedOffset(b, k);
+}
+
+// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`); records
+// the unscale and writes the embeds row as MarkovWalkKernel does.
+template <bool PACKED>
 __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                int8_t* digits, float* unscale) {
   float e[8];
@@ -61,7 +70,7 @@ __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, 
   DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
-    *reinterpret_cast<uint2*>(digits + d * kTransposedTileBytes + TransposedOffset(b, 8 * lane)) = make_uint2(words[d][0], words[d][1]);
+    *reinterpret_cast<uint2*>(digits + DigitOffset<PACKED>(b, d, 8 * lane)) = make_uint2(words[d][0], words[d][1]);
   }
 }
 
@@ -93,10 +102,12 @@ __device__ __forceinline__ float BasePairValue(const BasePairBits<BASE>& bits, i
   }
 }
 
-// Shared memory: the two A operands, per-request state, then the W2 scales, one streamed-tile slot
-// per warpgroup and the resident tiles (each tile 1024-byte aligned, as are the operands).
+// Shared memory: the A operands (two, PACKED one), per-request state, then the W2 scales, one
+// streamed-tile slot per warpgroup and the resident tiles (each tile 1024-byte aligned, as are the
+// operands).
+template <bool PACKED>
 struct TransposedSmem {
-  static constexpr int kDigitsBytes = 2 * kTransposedTileBytes;
+  static constexpr int kDigitsBytes = (PACKED ? 1 : 2) * kTransposedTileBytes;
   static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
   static constexpr int kRingBytes = kTransposedWarpgroups * kTransposedTileBytes;
   __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
@@ -104,21 +115,24 @@ struct TransposedSmem {
     return kDigitsBytes + 1024 + ScalesBytes(rows_per_cta) + kRingBytes;  // state padded to 1024
   }
 };
-static_assert(TransposedSmem::kStateBytes <= 1024, "the state fits its 1024 bytes");
+static_assert(TransposedSmem<false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 
-template <int BASE>
+template <int BASE, bool PACKED>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+  using Layout = TransposedSmem<PACKED>;
+  constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
+  constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
-  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + TransposedSmem::kDigitsBytes);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
   float* unscale = reinterpret_cast<float*>(cta_best + kMaxBatch);
   int* last_out = reinterpret_cast<int*>(unscale + kMaxBatch);
   const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
-  float* scales = reinterpret_cast<float*>(smem + TransposedSmem::kDigitsBytes + 1024);
-  int8_t* ring = reinterpret_cast<int8_t*>(smem + TransposedSmem::kDigitsBytes + 1024 + TransposedSmem::ScalesBytes(rows_per_cta));
-  int8_t* resident = ring + TransposedSmem::kRingBytes;
+  float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
+  int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
+  int8_t* resident = ring + Layout::kRingBytes;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, u = tid & 127;
   const int w = warp & 3, g = lane >> 2, t = lane & 3;
@@ -143,7 +157,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 
   Stamp(a, 0, 0);
   // Requests past the batch keep zero digits (their sums are zero and never published).
-  for (int i = tid; i < TransposedSmem::kDigitsBytes / 16; i += kTransposedThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kTransposedThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kTransposedThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
   // resident tiles (warpgroup w copies tiles w, w + 3, ...), then each warpgroup's first streamed tile.
@@ -187,7 +201,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
-          if (b < batch) BuildTwoDigits(a, b, k, lane, w1_raw[p], digits, unscale);
+          if (b < batch) BuildTwoDigits<PACKED>(a, b, k, lane, w1_raw[p], digits, unscale);
         }
       }
     }
@@ -201,23 +215,27 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     __syncthreads();
     Stamp(a, k, 3);
 
-    // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r.
-    float best_value[2] = {-INFINITY, -INFINITY};
-    int best_row[2] = {0, 0};
-    float unscale_of[2];
-    size_t base_offset[2];
+    // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r
+    //    (PACKED: request 8 w + g).
+    const auto RequestOf = [&](int r) { return PACKED ? 8 * w + g : 16 * w + g + 8 * r; };
+    float best_value[kRequests];
+    int best_row[kRequests];
+    float unscale_of[kRequests];
+    size_t base_offset[kRequests];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int rq = min(16 * w + g + 8 * r, batch - 1);
+    for (int r = 0; r < kRequests; ++r) {
+      best_value[r] = -INFINITY;
+      best_row[r] = 0;
+      const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
     }
     for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
       const int row0 = RowOf(i);
       // The tile's base logits: rows 8 j + 2 t, + 1 of both requests, loaded while the MMAs run.
-      BasePairBits<BASE> base[2][8];
+      BasePairBits<BASE> base[kRequests][8];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kRequests; ++r) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) base[r][j] = LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
       }
@@ -228,10 +246,10 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         FenceSharedForAsyncProxy();
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
       }
-      int acc[2][32];
+      int acc[kBlocks][32];
       WgmmaFence();
 #pragma unroll
-      for (int d = 0; d < 2; ++d) {
+      for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
         for (int s = 0; s < kRank / 32; ++s) {
           WgmmaS8(acc[d], WgmmaDescriptor(digits + d * kTransposedTileBytes + s * 2048, 128, 256),
@@ -241,7 +259,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       WgmmaCommit();
       WgmmaWaitGroup<0>();
 #pragma unroll
-      for (int d = 0; d < 2; ++d) {
+      for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
         for (int e = 0; e < 32; ++e) asm volatile("" : "+r"(acc[d][e])::"memory");
       }
@@ -259,9 +277,11 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         for (int j = 0; j < 8; ++j) {
           const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 8 * j + 2 * t]);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
+          for (int e = 0; e < 2 * kRequests; ++e) {
             const int r = e / 2, row = row0 + 8 * j + 2 * t + e % 2;
-            const float dot = __fmaf_rn(SmallIntToFloat(acc[1][4 * j + e]), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
+            // The digits' sums: (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
+            const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
+            const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
             float l = __fmaf_rn((e % 2 ? sc.y : sc.x) * dot, unscale_of[r], BasePairValue<BASE>(base[r][j], e % 2));
             if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
             if (!(l <= best_value[r]) && best_value[r] == best_value[r]) {
@@ -281,14 +301,14 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 
     // 3. Reduce over the 4 lanes that share g, then across warpgroups in shared memory.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kRequests; ++r) {
       unsigned long long key = PackArgmaxKey(best_value[r], uint32_t(best_row[r]));
 #pragma unroll
       for (int m = 1; m < 4; m <<= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, m);
         key = other > key ? other : key;
       }
-      const int rq = 16 * w + g + 8 * r;
+      const int rq = RequestOf(r);
       if (t == 0 && rq < batch && my_tiles > 0) atomicMax(&cta_best[rq], key);
     }
     __syncthreads();
