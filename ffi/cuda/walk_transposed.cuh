@@ -3,8 +3,9 @@
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
-//   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): 14 significant bits, where the fp16 e
-//   of MarkovWalkKernel holds 11), one 64-row operand per digit with M row = request (PACKED, up to
+//   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): fixed point at 2^-14 of the largest
+//   element, where the fp16 e of MarkovWalkKernel holds a bf16 W1 exactly; the bias errs by up to
+//   about 2e-4 of its rms, tokens differ only at near-ties), one 64-row operand per digit with M row = request (PACKED, up to
 //   32 requests: one operand for both digits, M row 16 (b / 8) + b % 8 + 8 d, half the MMAs); B = a tile of
 //   64 W2 rows, int8 as stored, in shared memory. wgmma m64n64k32 s8 needs no conversion of W2 and
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
