@@ -1,4 +1,4 @@
-// The transposed walk kernel: greedy walks of 17 to 64 requests over int8 W2, with no logits out
+// The transposed walk kernel: greedy walks of 9 to 64 requests over int8 W2, with no logits out
 // (see walk_kernel.cuh for the walk it shares its exchange and helpers with).
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
@@ -16,8 +16,9 @@
 //   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (row, k) of
 //   a 64 x 256 operand at byte TransposedOffset(row, k).
-// - The exchange is MarkovWalkKernel's for batches above kDirectBatch: one atomicMax per request
-//   and an arrival counter that doubles as the grid barrier.
+// - The exchange is MarkovWalkKernel's: up to kDirectBatch requests through one slot per CTA (the
+//   keys are the barrier), more through one atomicMax per request and an arrival counter that
+//   doubles as the grid barrier.
 #pragma once
 
 #include "cuda/walk_kernel.cuh"
@@ -125,6 +126,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
+  constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;  // the same, through the direct exchange
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
@@ -144,6 +146,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
   const int n_resident = min(a.resident_tiles, my_tiles);
+  const bool direct = batch <= kDirectBatch && gridDim.x <= kDirectMaxCtas;
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
   // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
   // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
@@ -178,9 +181,12 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       Stamp(a, k, 0);
       if (k < steps && my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
-      // Every CTA's step k-1 keys are in once all have arrived.
-      WaitForArrivals(a, k, tid);
-      __syncthreads();
+      // Every CTA's step k-1 keys are in once all have arrived (the direct exchange waits for the
+      // keys themselves below).
+      if (!direct) {
+        WaitForArrivals(a, k, tid);
+        __syncthreads();
+      }
       Stamp(a, k, 2);
     }
 
@@ -192,7 +198,15 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
       } else {
-        FetchChoices(a.slots, (k - 1) * kMaxBatch, warp, kWarps, batch, row);
+        if (direct) {
+#pragma unroll
+          for (int p = 0; p < kPerWarp; ++p) {
+            const int b = warp + p * kWarps;
+            row[p] = p < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+          }
+        } else {
+          FetchChoices(a.slots, (k - 1) * kMaxBatch, warp, kWarps, batch, row);
+        }
         if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
         if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
       }
@@ -315,17 +329,24 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     __syncthreads();
     Stamp(a, k, 4);
 
-    // 4. Publish one key per request and arrive (MarkovWalkKernel's exchange above kDirectBatch).
+    // 4. Publish one key per request and arrive, as MarkovWalkKernel does. A direct slot always gets a
+    //    key (1: no candidate here).
     if (tid < batch) {
       const unsigned long long mine = cta_best[tid];
+      if (direct) {
+        unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
+      }
       if (mine != 0) {
-        atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+        if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
         if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
       }
       cta_best[tid] = 0;
     }
-    __syncthreads();
-    Arrive(a, tid);
+    if (!direct) {
+      __syncthreads();
+      Arrive(a, tid);
+    }
     Stamp(a, k, 5);
   }
 
@@ -340,7 +361,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   }
   __syncthreads();
   if (*last_out) {
-    for (int i = tid; i < steps * kMaxBatch; i += kTransposedThreads) a.slots[i] = 0;
+    const int used = direct ? steps * batch * gridDim.x : steps * kMaxBatch;
+    for (int i = tid; i < used; i += kTransposedThreads) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
