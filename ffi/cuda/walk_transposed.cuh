@@ -233,6 +233,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r
     //    (PACKED: request 8 w + g).
     const auto RequestOf = [&](int r) { return PACKED ? 8 * w + g : 16 * w + g + 8 * r; };
+    // A warp whose requests all lie past the batch joins its warpgroup's wgmmas only.
+    const bool warp_idle = (PACKED ? 8 * w : 16 * w) >= batch;
     float best_value[kRequests];
     int best_row[kRequests];
     float unscale_of[kRequests];
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
       for (int r = 0; r < kRequests; ++r) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) base[r][j] = LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
+        for (int j = 0; j < 8; ++j) base[r][j] = warp_idle ? BasePairBits<BASE>{} : LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
@@ -306,9 +308,9 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
           }
         }
       };
-      if (row0 + kTransposedTileRows > a.vocab_size) {
+      if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
         Epilogue(std::true_type());
-      } else {
+      } else if (!warp_idle) {
         Epilogue(std::false_type());
       }
     }
