@@ -361,6 +361,29 @@ __device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int ti
   }
 }
 
+// Step k's key of every request from this CTA (cta_best, left zeroed): its own slot per request with
+// the direct exchange (always a key: 1 is no candidate here), else one atomicMax per request and an
+// arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row.
+__device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direct, int batch, int steps,
+                                            unsigned long long* cta_best, int tid) {
+  if (tid < batch) {
+    const unsigned long long mine = cta_best[tid];
+    if (direct) {
+      unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
+      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
+    }
+    if (mine != 0) {
+      if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+      if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
+    }
+    cta_best[tid] = 0;
+  }
+  if (!direct) {
+    __syncthreads();
+    Arrive(a, tid);
+  }
+}
+
 // x rounded to fp16 (BF16: bf16), as bits, and that value back as a float.
 template <bool BF16>
 __device__ __forceinline__ unsigned short NarrowBits(float x) {
@@ -1402,22 +1425,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
     // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
     //    its prefetches are issued. A direct slot always gets a key (1: no candidate here).
-    if (tid < batch) {
-      const unsigned long long mine = cta_best[tid];
-      if (direct) {
-        unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
-        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
-      }
-      if (mine != 0) {
-        if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
-        if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
-      }
-      cta_best[tid] = 0;
-    }
-    if (!direct) {
-      __syncthreads();
-      Arrive(a, tid);
-    }
+    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 

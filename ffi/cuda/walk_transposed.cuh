@@ -331,24 +331,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     __syncthreads();
     Stamp(a, k, 4);
 
-    // 4. Publish one key per request and arrive, as MarkovWalkKernel does. A direct slot always gets a
-    //    key (1: no candidate here).
-    if (tid < batch) {
-      const unsigned long long mine = cta_best[tid];
-      if (direct) {
-        unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
-        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
-      }
-      if (mine != 0) {
-        if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
-        if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
-      }
-      cta_best[tid] = 0;
-    }
-    if (!direct) {
-      __syncthreads();
-      Arrive(a, tid);
-    }
+    // 4. Publish one key per request and arrive, as MarkovWalkKernel does.
+    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 
