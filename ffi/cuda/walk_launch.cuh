@@ -8,10 +8,10 @@ namespace jax_markov {
 namespace walk {
 
 // Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
-// caller), greedy, no logits out, 9-64 requests (from where MarkovWalkKernel takes two n-tiles), an
-// even V (its base logits are loaded two rows at a time).
+// caller), greedy, no logits out, 17-64 requests (above MarkovWalkKernel's direct exchange), an even V
+// (its base logits are loaded two rows at a time).
 inline bool WalksTransposed(const WalkArgs& a) {
-  return a.batch >= 9 && a.batch <= kMaxBatch && !a.sampling && a.logits == nullptr && a.vocab % 2 == 0;
+  return a.batch > kDirectBatch && a.batch <= kMaxBatch && !a.sampling && a.logits == nullptr && a.vocab % 2 == 0;
 }
 
 // One launch of MarkovWalkTransposedKernel where WalksTransposed(args) holds (walk_launch_transposed.cu).
