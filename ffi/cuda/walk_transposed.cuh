@@ -12,10 +12,8 @@
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups share a CTA's tiles round-robin (one scores while the others run their
 //   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
-//   1.5 x 2^23 to their bits. Part of a warpgroup's tiles stay resident in shared memory (loaded
-//   once by cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
-//   A warpgroup alternates streamed and resident tiles, streamed first, so that each streamed tile
-//   has a resident one's time to land (its rows still come in increasing order).
+//   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
+//   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (row, k) of
 //   a 64 x 256 operand at byte TransposedOffset(row, k).
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
@@ -148,23 +146,14 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
   const int n_resident = min(a.resident_tiles, my_tiles);
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
-  // This warpgroup's tiles wg + 3 p (positions p = 0, 1, ...): as many resident ones as resident
-  // slots wg + 3 q below n_resident, the rest streamed. The first 2 x `pairs` positions alternate
-  // streamed (even p) and resident; the ones after them are all of the kind left over.
-  const int n_mine = my_tiles > wg ? (my_tiles - 1 - wg) / kTransposedWarpgroups + 1 : 0;
-  const int n_resident_mine = n_resident > wg ? (n_resident - 1 - wg) / kTransposedWarpgroups + 1 : 0;
-  const int n_streamed = n_mine - n_resident_mine;
-  const int pairs = min(n_resident_mine, n_streamed);
-  const auto IsStreamed = [&](int p) { return p < 2 * pairs ? p % 2 == 0 : n_streamed > n_resident_mine; };
-  const auto IndexOfKind = [&](int p) { return p < 2 * pairs ? p / 2 : pairs + (p - 2 * pairs); };  // c or q
-  const auto TileOf = [&](int q_or_c, bool streamed) {  // local tile of resident q or streamed c
-    return wg + kTransposedWarpgroups * (q_or_c < pairs ? 2 * q_or_c + (streamed ? 0 : 1) : pairs + q_or_c);
-  };
+  // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
+  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
+  const int first_streamed = n_resident + ((wg - n_resident) % kTransposedWarpgroups + kTransposedWarpgroups) % kTransposedWarpgroups;
+  const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kTransposedWarpgroups + 1 : 0;
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
-  // Streamed tile c, counted from 0 at step 0 over all steps (one periodic sequence).
   const auto CopyStreamed = [&](int c) {
-    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(TileOf(c % n_streamed, true)), slot, u);
+    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kTransposedWarpgroups), slot, u);
     CpAsyncCommit();
   };
 
@@ -173,11 +162,10 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kTransposedThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kTransposedThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
-  // resident tiles (each warpgroup its own, resident q into slot wg + 3 q), then each warpgroup's first
-  // streamed tile.
+  // resident tiles (warpgroup w copies tiles w, w + 3, ...), then each warpgroup's first streamed tile.
   if (my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, 0);
-  for (int q = 0; q < n_resident_mine; ++q) {
-    CopyTransposedTile(w2, vocab, RowOf(TileOf(q, false)), resident + size_t(wg + kTransposedWarpgroups * q) * kTransposedTileBytes, u);
+  for (int i = wg; i < n_resident; i += kTransposedWarpgroups) {
+    CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
   }
   CpAsyncCommit();
   CopyStreamed(0);
@@ -246,8 +234,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
     }
-    for (int p = 0; p < n_mine; ++p) {
-      const int i = wg + kTransposedWarpgroups * p;
+    for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
       const int row0 = RowOf(i);
       // The tile's base logits: rows 8 j + 2 t, + 1 of both requests, loaded while the MMAs run.
       BasePairBits<BASE> base[kRequests][8];
@@ -256,8 +243,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int j = 0; j < 8; ++j) base[r][j] = warp_idle ? BasePairBits<BASE>{} : LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
       }
-      const bool streamed = IsStreamed(p);
-      const int8_t* tile = streamed ? slot : resident + size_t(wg + kTransposedWarpgroups * IndexOfKind(p)) * kTransposedTileBytes;
+      const bool streamed = i >= n_resident;
+      const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
       if (streamed) {
         CpAsyncWaitPending(0);
         FenceSharedForAsyncProxy();
