@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   CpAsyncCommit();
   CopyStreamed(0);
   for (int i = tid; i < rows_per_cta; i += kTransposedThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
+  __syncthreads();  // the zeroed digits before any warp writes its requests' digits
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
