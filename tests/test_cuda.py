@@ -194,6 +194,33 @@ def test_large_batches_benchmark_shape(check_parity, batch):
     check_parity(base, anchor, head, kw)
 
 
+# Greedy walks of 17-64 requests (a launch) with no logits out, over int8 W2 of even V, take the
+# transposed kernel (walk_transposed.cuh), up to 32 requests in its packed layout (B = 17, 20 (a warp
+# of requests past the batch), 24, 32, and the launches of 32 that f32 W1 takes at B = 64): every base
+# and W1 dtype; padding, d2t and logit_scale; a last tile partly past V (V % 64 != 0); a batch over
+# two launches (64 + 36). Odd V falls back to MarkovWalkKernel. Tokens against the reference
+# (near-ties as check_parity counts them), embeds equal.
+@pytest.mark.parametrize("batch,vocab,base_dtype,w1_dtype,extras", [
+    (20, 40010, jnp.float16, jnp.bfloat16, True), (32, 151936, jnp.bfloat16, jnp.bfloat16, False),
+    (17, 40008, jnp.bfloat16, jnp.bfloat16, False), (24, 30000, jnp.float32, jnp.float32, True),
+    (40, 50010, jnp.float16, jnp.float16, True), (64, 151936, jnp.bfloat16, jnp.float32, False),
+    (100, 20010, jnp.bfloat16, jnp.bfloat16, True), (33, 20011, jnp.bfloat16, jnp.bfloat16, False)])
+def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, vocab, base_dtype, w1_dtype, extras):
+    rng = np.random.default_rng(batch + vocab)
+    v_target = vocab + 5000 if extras else vocab
+    base, anchor, head, _ = make_case(rng, batch, 7, vocab, v_target=v_target, base_dtype=base_dtype, w1_dtype=w1_dtype)
+    kw = {}
+    if extras:
+        d2t = np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab)
+        kw = dict(d2t=jnp.asarray(d2t, jnp.int32), vocab_size=vocab - 37, logit_scale=0.7)
+    ref = jm.walk(base, anchor, head, impl="reference", return_logits=True, return_embeds=True, **kw)
+    poison_device_memory(batch * 7 * (4 + 256 * 4) * 2)
+    got = jm.walk(base, anchor, head, impl="ffi", return_embeds=True, **kw)
+    _, same_prefix = assert_tokens_match(reference_scores(ref.logits), ref.tokens, got.tokens, NEAR_TIE, rtol=NEAR_TIE,
+                                         d2t=kw.get("d2t"), max_mismatch_rows=max(1, int(MAX_NEAR_TIE_ROWS * batch)))
+    np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
+
+
 # 6 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 40 read their noise
 # from MarkovWalkNoise.
 @pytest.mark.parametrize("batch", [6, 24, 40])

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cuda/markov_walk_cuda.h"
-#include "cuda/walk_kernel.cuh"
+#include "cuda/walk_launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

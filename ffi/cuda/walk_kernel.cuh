@@ -291,6 +291,99 @@ __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long
   return best;
 }
 
+// The exchange above kDirectBatch: N requests' choices of the step whose keys start at slots[step0]
+// (requests first + u x stride, the last one standing in past the batch), as draft tokens.
+template <int N>
+__device__ __forceinline__ void FetchChoices(const unsigned long long* slots, int step0, int first, int stride, int batch, int (&row)[N]) {
+  unsigned long long key[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) key[u] = __ldcg(&slots[step0 + min(first + u * stride, batch - 1)]);
+#pragma unroll
+  for (int u = 0; u < N; ++u) row[u] = ArgmaxKeyIndex(key[u]);
+}
+
+// Draft tokens to target tokens (d2t), in one batch of loads.
+template <int N>
+__device__ __forceinline__ void DraftToTarget(const int32_t* d2t, int (&row)[N]) {
+  int offset[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) offset[u] = __ldg(d2t + row[u]);
+#pragma unroll
+  for (int u = 0; u < N; ++u) row[u] += offset[u];
+}
+
+// Step k-1's tokens of requests first + u x stride (those in the batch).
+template <int N>
+__device__ __forceinline__ void WriteTokens(int32_t* tokens, int batch, int steps, int k, int first, int stride, const int (&row)[N]) {
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int b = first + u * stride;
+    if (b < batch) tokens[b * steps + k - 1] = row[u];
+  }
+}
+
+// Lane `lane`'s words of the W1 rows of N target tokens (clamped into W1), in one batch of loads:
+// e[8 lane .. 8 lane + 7], 16 bytes of a 16-bit row (raw[u][0]) or 32 of an f32 row.
+template <int N>
+__device__ __forceinline__ void LoadW1Rows(const WalkArgs& a, const int (&row)[N], int lane, uint4 (&raw)[N][2]) {
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int r = ClampIndex(row[u], a.v_target);
+    if (a.w1_dtype == kF32) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
+      raw[u][0] = __ldg(src);
+      raw[u][1] = __ldg(src + 1);
+    } else {
+      raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
+    }
+  }
+}
+
+// If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
+__device__ __forceinline__ void PrefetchW1Row(const WalkArgs& a, uint32_t token) {
+  const char* row = static_cast<const char*>(a.w1) + size_t(ClampIndex(token, a.v_target)) * kRank * ElementBytes(a.w1_dtype);
+  for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + line));
+  }
+}
+
+// The exchange above kDirectBatch, after a CTA barrier that orders its keys first: this CTA arrives
+// (release: its keys are visible to whoever acquires the count), and thread 0 waits until all CTAs
+// have arrived k times.
+__device__ __forceinline__ void Arrive(const WalkArgs& a, int tid) {
+  if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
+}
+__device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int tid) {
+  if (tid == 0) {
+    const unsigned int target = gridDim.x * k;
+    while (LoadAcquire(&a.counters[0]) < target) {
+    }
+  }
+}
+
+// Step k's key of every request from this CTA (cta_best, left zeroed): its own slot per request with
+// the direct exchange (always a key: 1 is no candidate here), else one atomicMax per request and an
+// arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row.
+__device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direct, int batch, int steps,
+                                            unsigned long long* cta_best, int tid) {
+  if (tid < batch) {
+    const unsigned long long mine = cta_best[tid];
+    if (direct) {
+      unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
+      asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
+    }
+    if (mine != 0) {
+      if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+      if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
+    }
+    cta_best[tid] = 0;
+  }
+  if (!direct) {
+    __syncthreads();
+    Arrive(a, tid);
+  }
+}
+
 // x rounded to fp16 (BF16: bf16), as bits, and that value back as a float.
 template <bool BF16>
 __device__ __forceinline__ unsigned short NarrowBits(float x) {
@@ -348,6 +441,23 @@ __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_sh
   return shift;
 }
 
+// e[0..7] x `up` rounded to integers, each in N balanced int8 digits (v = d0 + 2^8 d1 + ..., the top
+// digit taking what is left), packed 4 a word: words[d][0..1] hold digit d of the 8 elements.
+template <int N>
+__device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32_t (&words)[N][2]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float scaled = e[i] * up;
+    int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
+#pragma unroll
+    for (int d = 0; d < N; ++d) {
+      const int digit = d < N - 1 ? ((v + 128) & 0xFF) - 128 : v;
+      v = (v - digit) >> 8;
+      words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
+    }
+  }
+}
+
 // Small batches (B <= 2) score with int8 tensor cores, with no conversion of W2 at all: e is
 // written as a 24-bit integer E = rint(e * 2^shift) (max |E| in [2^21, 2^22)) in three balanced
 // int8 digits, E = d0 + 2^8 d1 + 2^16 d2, and each digit is its own B column (column 3b + d). The
@@ -359,18 +469,7 @@ __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int
   LoadRowAndEmbeds(a, b, k, lane, raw, e);
   const int shift = RowShift(e, 22, 126, lane, unscale + b);
   uint32_t words[3][2] = {};
-  const float up = Pow2(shift);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float scaled = e[i] * up;
-    int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
-#pragma unroll
-    for (int d = 0; d < 3; ++d) {
-      const int digit = d < 2 ? ((v + 128) & 0xFF) - 128 : v;
-      v = (v - digit) >> 8;
-      words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
-    }
-  }
+  DigitWords(e, Pow2(shift), words);
 #pragma unroll
   for (int d = 0; d < 3; ++d) {
     reinterpret_cast<uint2*>(digits + (3 * b + d) * kRank)[lane] = make_uint2(words[d][0], words[d][1]);
@@ -910,11 +1009,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // exchange waits for the keys themselves below.
       Stamp(a, k, 1);
       if (!direct) {
-        if (tid == 0) {
-          const unsigned int target = gridDim.x * k;
-          while (LoadAcquire(&a.counters[0]) < target) {
-          }
-        }
+        WaitForArrivals(a, k, tid);
         __syncthreads();
       }
       Stamp(a, k, 2);
@@ -936,39 +1031,13 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
         }
       } else {
-        unsigned long long key[kRowsPerPass];
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) key[u] = __ldcg(&a.slots[(k - 1) * kMaxBatch + min(first + u * kWarps, batch - 1)]);
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) row[u] = ArgmaxKeyIndex(key[u]);
+        FetchChoices(a.slots, (k - 1) * kMaxBatch, first, kWarps, batch, row);
       }
-      if (k > 0 && a.d2t != nullptr) {
-        int offset[kRowsPerPass];
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) offset[u] = __ldg(a.d2t + row[u]);
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) row[u] += offset[u];
-      }
-      if (k > 0 && blockIdx.x == 0 && lane == 0) {
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
-          const int b = first + u * kWarps;
-          if (b < batch) a.tokens[b * steps + k - 1] = row[u];
-        }
-      }
+      if (k > 0 && a.d2t != nullptr) DraftToTarget(a.d2t, row);
+      if (k > 0 && blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, first, kWarps, row);
       if (k == steps) continue;
       uint4 w1_raw[kRowsPerPass][2];
-#pragma unroll
-      for (int u = 0; u < kRowsPerPass; ++u) {
-        const int r = ClampIndex(row[u], a.v_target);
-        if (a.w1_dtype == kF32) {
-          const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
-          w1_raw[u][0] = __ldg(src);
-          w1_raw[u][1] = __ldg(src + 1);
-        } else {
-          w1_raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
-        }
-      }
+      LoadW1Rows(a, row, lane, w1_raw);
 #pragma unroll
       for (int u = 0; u < kRowsPerPass; ++u) {
         const int b = first + u * kWarps;
@@ -1356,31 +1425,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
     // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
     //    its prefetches are issued. A direct slot always gets a key (1: no candidate here).
-    if (tid < batch) {
-      const unsigned long long mine = cta_best[tid];
-      if (direct) {
-        unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
-        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
-      }
-      if (mine != 0) {
-        if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
-        // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
-        const uint32_t token = ArgmaxKeyIndex(mine);
-        if (a.d2t == nullptr && k + 1 < steps) {
-          const char* row = static_cast<const char*>(a.w1) + size_t(ClampIndex(token, a.v_target)) * kRank * ElementBytes(a.w1_dtype);
-          for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + line));
-          }
-        }
-      }
-      cta_best[tid] = 0;
-    }
-    if (!direct) {
-      __syncthreads();
-      // Release: the key above (ordered before this by the CTA barrier) is visible to whoever
-      // acquires the count.
-      if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&a.counters[0]) : "memory");
-    }
+    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 
@@ -1410,6 +1455,23 @@ inline ffi::Error CudaError(const char* what, cudaError_t err) {
 
 inline ffi::Error Invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_markov CUDA walk: " + msg);
+}
+
+// Raises a kernel's shared-memory limit to the device maximum and checks that one CTA of `threads`
+// fits per SM, once per kernel and device: these calls cost host time on every launch otherwise.
+inline cudaError_t PrepareOnce(const void* kernel, int device, int threads, const DeviceProperties& props) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, cudaError_t> prepared;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = prepared.find({kernel, device});
+  if (it == prepared.end()) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
+    int per_sm = 0;
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, props.smem_per_block);
+    if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
+    it = prepared.emplace(std::make_pair(kernel, device), err).first;
+  }
+  return it->second;
 }
 
 // Rows of W2 per CTA on `sm_count` SMs.
@@ -1470,54 +1532,13 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
-  // Raise the kernel's shared-memory limit to the device maximum and check that one CTA fits per
-  // SM, once per device: these calls cost host time on every launch otherwise.
-  static std::mutex mu;
-  static std::map<std::pair<int, bool>, cudaError_t> prepared;  // per device and staging
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = prepared.find({device, stage});
-    if (it == prepared.end()) {
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, props.smem_per_block);
-      int per_sm = 0;
-      if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, props.smem_per_block);
-      if (err == cudaSuccess && per_sm < 1) err = cudaErrorCooperativeLaunchTooLarge;
-      it = prepared.emplace(std::make_pair(device, stage), err).first;
-    }
-    if (it->second != cudaSuccess) return CudaError("preparing the kernel", it->second);
-  }
+  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kThreads, props);
+  if (prepared != cudaSuccess) return CudaError("preparing the kernel", prepared);
   void* params[] = {&args};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel", err);
   return ffi::Error::Success();
 }
-
-// One launch for `columns` B columns (a request each; two with SPLIT) of W2 format W2. Each
-// format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
-template <int W2>
-ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
-                            const WalkArgs& args, float* noise_buffer) {
-  if constexpr (W2 == kW2Int8) {
-    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
-  }
-  if (split) {
-    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
-    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args, noise_buffer);
-    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args, noise_buffer);
-    return Launch<8, true, false, W2>(stream, device, props, args, noise_buffer);
-  }
-  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args, noise_buffer);
-  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args, noise_buffer);
-  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args, noise_buffer);
-  return Launch<8, false, false, W2>(stream, device, props, args, noise_buffer);
-}
-
-extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&, float*);
-extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                    const WalkArgs&, float*);
-extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
-                                                     const WalkArgs&, float*);
 
 }  // namespace walk
 }  // namespace jax_markov

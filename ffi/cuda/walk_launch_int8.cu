@@ -1,5 +1,5 @@
-// The walk kernel's instantiations for int8 W2 (see walk_kernel.cuh).
-#include "cuda/walk_kernel.cuh"
+// The walk kernels' instantiations for int8 W2 (see walk_launch.cuh).
+#include "cuda/walk_launch.cuh"
 
 namespace jax_markov {
 namespace walk {

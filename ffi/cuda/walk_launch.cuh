@@ -1,0 +1,55 @@
+// Which kernel walks a launch: MarkovWalkTransposedKernel where it applies (int8 W2), else
+// MarkovWalkKernel in the variant that the batch's columns take.
+#pragma once
+
+#include "cuda/walk_kernel.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+// Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
+// caller), greedy, no logits out, 17-64 requests (above MarkovWalkKernel's direct exchange), an even V
+// (its base logits are loaded two rows at a time).
+inline bool WalksTransposed(const WalkArgs& a) {
+  return a.batch > kDirectBatch && a.batch <= kMaxBatch && !a.sampling && a.logits == nullptr && a.vocab % 2 == 0;
+}
+
+// One launch of MarkovWalkTransposedKernel where WalksTransposed(args) holds (walk_launch_transposed.cu).
+// *launched is false where the CTA's fixed shared memory does not fit: the caller takes
+// MarkovWalkKernel then.
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched);
+
+// One launch for `columns` B columns (a request each; two with SPLIT) of W2 format W2. Each
+// format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
+template <int W2>
+ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int device, const DeviceProperties& props,
+                            const WalkArgs& args, float* noise_buffer) {
+  if constexpr (W2 == kW2Int8) {
+    if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
+    if (WalksTransposed(args)) {
+      bool launched = false;
+      const ffi::Error err = LaunchTransposed(stream, device, props, args, &launched);
+      if (err.failure() || launched) return err;
+    }
+  }
+  if (split) {
+    if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 16) return Launch<2, true, false, W2>(stream, device, props, args, noise_buffer);
+    if (columns <= 32) return Launch<4, true, false, W2>(stream, device, props, args, noise_buffer);
+    return Launch<8, true, false, W2>(stream, device, props, args, noise_buffer);
+  }
+  if (columns <= 8) return Launch<1, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 16) return Launch<2, false, false, W2>(stream, device, props, args, noise_buffer);
+  if (columns <= 32) return Launch<4, false, false, W2>(stream, device, props, args, noise_buffer);
+  return Launch<8, false, false, W2>(stream, device, props, args, noise_buffer);
+}
+
+extern template ffi::Error LaunchForColumns<kW2Int8>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                     const WalkArgs&, float*);
+extern template ffi::Error LaunchForColumns<kW2F16>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                    const WalkArgs&, float*);
+extern template ffi::Error LaunchForColumns<kW2BF16>(bool, int, cudaStream_t, int, const DeviceProperties&,
+                                                     const WalkArgs&, float*);
+
+}  // namespace walk
+}  // namespace jax_markov

@@ -1,0 +1,41 @@
+// MarkovWalkTransposedKernel's launch (see walk_launch.cuh), in a translation unit of its own.
+#include "cuda/walk_launch.cuh"
+#include "cuda/walk_transposed.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+namespace {
+
+template <bool PACKED>
+ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
+  *launched = false;
+  const int grid = props.sm_count;
+  const int total_tiles = (args.vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
+  const int fixed = TransposedSmem<PACKED>::FixedBytes(args.tiles_per_cta * kTransposedTileRows);
+  if (fixed > props.smem_per_block) return ffi::Error::Success();
+  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
+  const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
+  auto kernel = args.base_dtype == kF32    ? MarkovWalkTransposedKernel<kF32, PACKED>
+                : args.base_dtype == kBF16 ? MarkovWalkTransposedKernel<kBF16, PACKED>
+                                           : MarkovWalkTransposedKernel<kF16, PACKED>;
+  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
+  if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
+  void* params[] = {&args};
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
+  if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);
+  *launched = true;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Up to 32 requests take the packed layout (one A operand for both digits).
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
+  return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, launched)
+                          : LaunchLayout<false>(stream, device, props, args, launched);
+}
+
+}  // namespace walk
+}  // namespace jax_markov

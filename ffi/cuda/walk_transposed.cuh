@@ -1,0 +1,348 @@
+// The transposed walk kernel: greedy walks of 17 to 64 requests over int8 W2, with no logits out
+// (see walk_kernel.cuh for the walk it shares its exchange and helpers with).
+//
+// Design (measured alone in Session 15 of benchmarks/NOTES.md)
+// - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
+//   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): fixed point at 2^-14 of the largest
+//   element, where the fp16 e of MarkovWalkKernel holds a bf16 W1 exactly; the bias errs by up to
+//   about 2e-4 of its rms, tokens differ only at near-ties), one 64-row operand per digit with M row = request (PACKED, up to
+//   32 requests: one operand for both digits, M row 16 (b / 8) + b % 8 + 8 d, half the MMAs); B = a tile of
+//   64 W2 rows, int8 as stored, in shared memory. wgmma m64n64k32 s8 needs no conversion of W2 and
+//   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
+//   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
+// - Three warpgroups share a CTA's tiles round-robin (one scores while the others run their
+//   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
+//   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
+//   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
+// - Operands in shared memory use the canonical K-major layout without swizzle: element (row, k) of
+//   a 64 x 256 operand at byte TransposedOffset(row, k).
+// - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
+//   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
+//   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
+#pragma once
+
+#include "cuda/walk_kernel.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+constexpr int kTransposedTileRows = 64;
+constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
+constexpr int kTransposedWarpgroups = 3;
+constexpr int kTransposedThreads = 128 * kTransposedWarpgroups;
+
+// Byte offset of element (row, k) of a 64 x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
+__host__ __device__ constexpr int TransposedOffset(int row, int k) {
+  return (k / 32) * 2048 + (row / 8) * 256 + ((k % 32) / 16) * 128 + (row % 8) * 16 + k % 16;
+}
+
+// An int32 with |x| < 2^22 as a float, exactly: 1.5 x 2^23 + x holds x in its low mantissa bits.
+__device__ __forceinline__ float SmallIntToFloat(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
+
+// Warpgroup-local copy of tile `row0`'s 64 W2 rows into `dst` (TransposedOffset layout), 16 bytes a
+// cp.async, 8 a thread (u = thread in the warpgroup). Within a warp, lanes L % 8 take 8 rows of one
+// 16-byte column (one 128-byte core matrix in shared memory) and L / 8 four adjacent columns (64
+// contiguous bytes of a row in global memory). Rows past V are zero.
+__device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, int row0, int8_t* dst, int u) {
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int q = u + 128 * m, lane = q % 32, group = q / 32;
+    const int row = 8 * (group % 8) + lane % 8, column = 4 * (group / 8) + lane / 8;
+    const bool inside = row0 + row < vocab;
+    CpAsync16(dst + TransposedOffset(row, 16 * column), w2 + size_t(inside ? row0 + row : 0) * kRank + 16 * column, inside);
+  }
+}
+
+// The A operand and row of digit d of request b: row b of operand d, or (PACKED) row
+// 16 (b / 8) + b % 8 + 8 d of the one operand.
+template <bool PACKED>
+__host__ __device__ constexpr int DigitOffset(int b, int d, int k) {
+  return PACKED ? TransposedOffset(16 * (b / 8) + b % 8 + 8 * d, k) : d * kTransposedTileBytes + TransposedOffset(b, k);
+}
+
+// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`); records
+// the unscale and writes the embeds row as MarkovWalkKernel does.
+template <bool PACKED>
+__device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                               int8_t* digits, float* unscale) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const int shift = RowShift(e, 14, 126, lane, unscale + b);
+  uint32_t words[2][2] = {};
+  DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+    *reinterpret_cast<uint2*>(digits + DigitOffset<PACKED>(b, d, 8 * lane)) = make_uint2(words[d][0], words[d][1]);
+  }
+}
+
+// The raw bits of two adjacent base logits (rows row, row + 1 of one request and step, row even);
+// a pair at or past vocab_size is not loaded (its bits are never used).
+template <int BASE>
+using BasePairBits = std::conditional_t<BASE == kF32, uint2, uint32_t>;
+
+template <int BASE>
+__device__ __forceinline__ BasePairBits<BASE> LoadBasePair(const WalkArgs& a, size_t offset, int row) {
+  BasePairBits<BASE> bits{};
+  if (row < a.vocab_size) {
+    if constexpr (BASE == kF32) {
+      bits = __ldcs(reinterpret_cast<const uint2*>(static_cast<const float*>(a.base) + offset + row));
+    } else {
+      bits = __ldcs(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(a.base) + offset + row));
+    }
+  }
+  return bits;
+}
+
+// Value h (0: row, 1: row + 1) of a pair as a float.
+template <int BASE>
+__device__ __forceinline__ float BasePairValue(const BasePairBits<BASE>& bits, int h) {
+  if constexpr (BASE == kF32) {
+    return __uint_as_float(h ? bits.y : bits.x);
+  } else {
+    return BaseToFloat<BASE>(h ? bits >> 16 : bits & 0xFFFFu);
+  }
+}
+
+// Shared memory: the A operands (two, PACKED one), per-request state, then the W2 scales, one
+// streamed-tile slot per warpgroup and the resident tiles (each tile 1024-byte aligned, as are the
+// operands).
+template <bool PACKED>
+struct TransposedSmem {
+  static constexpr int kDigitsBytes = (PACKED ? 1 : 2) * kTransposedTileBytes;
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
+  static constexpr int kRingBytes = kTransposedWarpgroups * kTransposedTileBytes;
+  __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
+  __host__ __device__ static constexpr int FixedBytes(int rows_per_cta) {
+    return kDigitsBytes + 1024 + ScalesBytes(rows_per_cta) + kRingBytes;  // state padded to 1024
+  }
+};
+static_assert(TransposedSmem<false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+
+template <int BASE, bool PACKED>
+__global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+  using Layout = TransposedSmem<PACKED>;
+  constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
+  constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
+  constexpr int kWarps = kTransposedThreads / 32;
+  constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
+  extern __shared__ __align__(1024) unsigned char smem[];
+  int8_t* digits = reinterpret_cast<int8_t*>(smem);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
+  float* unscale = reinterpret_cast<float*>(cta_best + kMaxBatch);
+  int* last_out = reinterpret_cast<int*>(unscale + kMaxBatch);
+  const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
+  float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
+  int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
+  int8_t* resident = ring + Layout::kRingBytes;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, u = tid & 127;
+  const int w = warp & 3, g = lane >> 2, t = lane & 3;
+  const int batch = a.batch, steps = a.steps, vocab = a.vocab;
+  const int first_tile = blockIdx.x * a.tiles_per_cta;
+  const int first_row = first_tile * kTransposedTileRows;
+  const int total_tiles = (vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+  const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
+  const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
+  const int n_resident = min(a.resident_tiles, my_tiles);
+  const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
+  // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
+  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
+  const int first_streamed = n_resident + ((wg - n_resident) % kTransposedWarpgroups + kTransposedWarpgroups) % kTransposedWarpgroups;
+  const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kTransposedWarpgroups + 1 : 0;
+  const int8_t* w2 = static_cast<const int8_t*>(a.w2);
+  int8_t* slot = ring + wg * kTransposedTileBytes;
+  const auto CopyStreamed = [&](int c) {
+    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kTransposedWarpgroups), slot, u);
+    CpAsyncCommit();
+  };
+
+  Stamp(a, 0, 0);
+  // Requests past the batch keep zero digits (their sums are zero and never published).
+  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kTransposedThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
+  for (int b = tid; b < kMaxBatch; b += kTransposedThreads) cta_best[b] = 0;
+  // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
+  // resident tiles (warpgroup w copies tiles w, w + 3, ...), then each warpgroup's first streamed tile.
+  if (my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, 0);
+  for (int i = wg; i < n_resident; i += kTransposedWarpgroups) {
+    CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
+  }
+  CpAsyncCommit();
+  CopyStreamed(0);
+  for (int i = tid; i < rows_per_cta; i += kTransposedThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
+  __syncthreads();  // the zeroed digits before any warp writes its requests' digits
+
+  Stamp(a, 0, 1);
+  Stamp(a, 0, 2);
+  int consumed = 0;  // streamed tiles this warpgroup has scored
+  for (int k = 0; k <= steps; ++k) {
+    if (k > 0) {
+      Stamp(a, k, 0);
+      if (k < steps && my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, k);
+      Stamp(a, k, 1);
+      // Every CTA's step k-1 keys are in once all have arrived.
+      WaitForArrivals(a, k, tid);
+      __syncthreads();
+      Stamp(a, k, 2);
+    }
+
+    // 1. Step k-1's choices (warp w: requests w, w + 12, ...): their keys, then their W1 rows, each
+    //    in one batch of loads, then e's digits.
+    {
+      int row[kPerWarp];
+      if (k == 0) {
+#pragma unroll
+        for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
+      } else {
+        FetchChoices(a.slots, (k - 1) * kMaxBatch, warp, kWarps, batch, row);
+        if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
+        if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
+      }
+      if (k < steps) {
+        uint4 w1_raw[kPerWarp][2];
+        LoadW1Rows(a, row, lane, w1_raw);
+#pragma unroll
+        for (int p = 0; p < kPerWarp; ++p) {
+          const int b = warp + p * kWarps;
+          if (b < batch) BuildTwoDigits<PACKED>(a, b, k, lane, w1_raw[p], digits, unscale);
+        }
+      }
+    }
+    if (k == steps) {
+      Stamp(a, k, 3);
+      break;
+    }
+    // Step 0: the resident tiles have landed (this thread's copies, then everyone's).
+    if (k == 0) CpAsyncWaitPending(1);
+    FenceSharedForAsyncProxy();  // the digits (and resident tiles) are read by the tensor cores
+    __syncthreads();
+    Stamp(a, k, 3);
+
+    // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r
+    //    (PACKED: request 8 w + g).
+    const auto RequestOf = [&](int r) { return PACKED ? 8 * w + g : 16 * w + g + 8 * r; };
+    // A warp whose requests all lie past the batch joins its warpgroup's wgmmas only.
+    const bool warp_idle = (PACKED ? 8 * w : 16 * w) >= batch;
+    float best_value[kRequests];
+    int best_row[kRequests];
+    float unscale_of[kRequests];
+    size_t base_offset[kRequests];
+#pragma unroll
+    for (int r = 0; r < kRequests; ++r) {
+      best_value[r] = -INFINITY;
+      best_row[r] = 0;
+      const int rq = min(RequestOf(r), batch - 1);
+      unscale_of[r] = unscale[rq] * a.logit_scale;
+      base_offset[r] = (size_t(rq) * steps + k) * vocab;
+    }
+    for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
+      const int row0 = RowOf(i);
+      // The tile's base logits: rows 8 j + 2 t, + 1 of both requests, loaded while the MMAs run.
+      BasePairBits<BASE> base[kRequests][8];
+#pragma unroll
+      for (int r = 0; r < kRequests; ++r) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) base[r][j] = warp_idle ? BasePairBits<BASE>{} : LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
+      }
+      const bool streamed = i >= n_resident;
+      const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
+      if (streamed) {
+        CpAsyncWaitPending(0);
+        FenceSharedForAsyncProxy();
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+      }
+      int acc[kBlocks][32];
+      WgmmaFence();
+#pragma unroll
+      for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+        for (int s = 0; s < kRank / 32; ++s) {
+          WgmmaS8(acc[d], WgmmaDescriptor(digits + d * kTransposedTileBytes + s * 2048, 128, 256),
+                  WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
+        }
+      }
+      WgmmaCommit();
+      WgmmaWaitGroup<0>();
+#pragma unroll
+      for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) asm volatile("" : "+r"(acc[d][e])::"memory");
+      }
+      if (streamed) {
+        // Every warp's wgmmas have read the slot: the warpgroup's next streamed tile goes in.
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+        CopyStreamed(++consumed);
+      }
+      // l = base + (scale x dot) x unscale x logit_scale, rounded as MarkovWalkKernel rounds it; -inf
+      // at and past vocab_size (only a tile that reaches vocab_size checks). The rows of a thread come
+      // in increasing order, so a strictly larger value (or the first NaN) replaces its best: the
+      // lowest index wins ties, as SPEC.md's argmax.
+      const auto Epilogue = [&](auto partial) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 8 * j + 2 * t]);
+#pragma unroll
+          for (int e = 0; e < 2 * kRequests; ++e) {
+            const int r = e / 2, row = row0 + 8 * j + 2 * t + e % 2;
+            // The digits' sums: (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
+            const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
+            const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
+            float l = __fmaf_rn((e % 2 ? sc.y : sc.x) * dot, unscale_of[r], BasePairValue<BASE>(base[r][j], e % 2));
+            if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
+            if (!(l <= best_value[r]) && best_value[r] == best_value[r]) {
+              best_value[r] = l;
+              best_row[r] = row;
+            }
+          }
+        }
+      };
+      if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
+        Epilogue(std::true_type());
+      } else if (!warp_idle) {
+        Epilogue(std::false_type());
+      }
+    }
+    StampWarp(a, k, warp);
+
+    // 3. Reduce over the 4 lanes that share g, then across warpgroups in shared memory.
+#pragma unroll
+    for (int r = 0; r < kRequests; ++r) {
+      unsigned long long key = PackArgmaxKey(best_value[r], uint32_t(best_row[r]));
+#pragma unroll
+      for (int m = 1; m < 4; m <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, m);
+        key = other > key ? other : key;
+      }
+      const int rq = RequestOf(r);
+      if (t == 0 && rq < batch && my_tiles > 0) atomicMax(&cta_best[rq], key);
+    }
+    __syncthreads();
+    Stamp(a, k, 4);
+
+    // 4. Publish one key per request and arrive, as MarkovWalkKernel does.
+    PublishKeys(a, k, false, batch, steps, cta_best, tid);
+    Stamp(a, k, 5);
+  }
+
+  // The last CTA out leaves the workspace zeroed for the next call on this stream, as MarkovWalkKernel
+  // does (written out there: as a shared function it changed MarkovWalkKernel's register allocation).
+  CpAsyncWaitPending(0);  // no copy in flight when the CTA exits
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    *last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (*last_out) {
+    const int used = steps * kMaxBatch;
+    for (int i = tid; i < used; i += kTransposedThreads) a.slots[i] = 0;
+    if (tid == 0) {
+      a.counters[0] = 0;
+      a.counters[1] = 0;
+    }
+  }
+}
+
+}  // namespace walk
+}  // namespace jax_markov
