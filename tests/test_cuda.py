@@ -295,10 +295,9 @@ def test_jit_while_loop_and_vmap():
 
 # 16 requests with logits exchange directly in MarkovWalkKernel; 40 greedy without logits walk in the
 # transposed kernel (atomic exchange). Each leaves the workspace as the next call needs it: the second
-# input set's tokens match the reference (near-ties as check_parity counts them) and the first set's
-# bits repeat.
+# input set's tokens equal the reference's and the first set's bits repeat.
 @pytest.mark.parametrize("batch,vocab,return_logits", [(16, 80021, True), (40, 80022, False)])
-def test_repeatable_and_nothing_stale(reference_scores, assert_tokens_match, batch, vocab, return_logits):
+def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     rng = np.random.default_rng(21)
     f = jax.jit(lambda b, a, h: jm.walk(b, a, h, impl="ffi", return_logits=return_logits))
     base1, anchor1, head1, _ = make_case(rng, batch, 7, vocab)
@@ -309,9 +308,8 @@ def test_repeatable_and_nothing_stale(reference_scores, assert_tokens_match, bat
     np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r1b.tokens))
     if return_logits:
         np.testing.assert_array_equal(np.asarray(r1.logits), np.asarray(r1b.logits))
-    ref2 = jm.walk(base2, anchor2, head2, impl="reference", return_logits=True)
-    assert_tokens_match(reference_scores(ref2.logits), ref2.tokens, r2.tokens, NEAR_TIE, rtol=NEAR_TIE,
-                        max_mismatch_rows=max(1, int(MAX_NEAR_TIE_ROWS * batch)))
+    ref2 = jm.walk(base2, anchor2, head2, impl="reference")
+    np.testing.assert_array_equal(np.asarray(r2.tokens), np.asarray(ref2.tokens))
 
 
 def test_outside_envelope_falls_back_or_refuses():
