@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalkKernel", "--launch-skip", "2", "--launch-count",
+NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk(Transposed)?Kernel", "--launch-skip", "2", "--launch-count",
        "1"]
 HEADLINE = ("Duration", "Issue Slots Busy", "Issued Ipc Active", "No Eligible", "Active Warps Per Scheduler",
             "Warp Cycles Per Issued Instruction", "Registers Per Thread")
