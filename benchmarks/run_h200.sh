@@ -31,6 +31,12 @@ fi
 wait $plain || exit 1
 cp /tmp/jm_build/_markov_*.so jax_markov/
 export PYTHONPATH=$PWD
+commit=${JAX_MARKOV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The first lines of every log: where it came from.
+header() {
+  echo "# bash benchmarks/run_h200.sh OUT $parts ($1)"
+  echo "# commit $commit; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); jax $(python3 -c 'import jax; print(jax.__version__)')"
+}
 
 for part in $parts; do
   case $part in
@@ -41,7 +47,7 @@ for part in $parts; do
       python3 -m pytest -q -p no:cacheprovider $t tests/test_design_floor.py \
         -k "not benchmark_shapes and not float_head and not bf16 and not sampled and not transposed" > /tmp/jm_t3.log 2>&1 & t3=$!
       wait $t1 $t2 $t3  # not the timeline build, which the timeline part waits for
-      cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log > "$out/h200_test_cuda.log"
+      { header tests; cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log; } > "$out/h200_test_cuda.log"
       grep -E "passed|failed" "$out/h200_test_cuda.log"
       ;;
     timeline)
@@ -64,8 +70,8 @@ for part in $parts; do
       # as do those of 5000,3,12. The greedy ones take the transposed kernel: packed (20: a warp of
       # requests past the batch; 24) and not (40).
       shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20010,2,20,greedy 20010,2,24,greedy 20010,2,40,greedy"
-      compute-sanitizer --tool memcheck python3 $shape > "$out/h200_memcheck.log" 2>&1
-      compute-sanitizer --tool racecheck python3 $shape > "$out/h200_racecheck.log" 2>&1
+      { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
+      { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"
       tail -n 1 "$out/h200_memcheck.log" "$out/h200_racecheck.log"
       ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
