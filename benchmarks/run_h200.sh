@@ -69,7 +69,7 @@ for part in $parts; do
       # MarkovWalkNoise makes it; the latter's bf16 logits go out through shared memory (V % 8 == 0),
       # as do those of 5000,3,12. The greedy ones take the transposed kernel: packed (20: a warp of
       # requests past the batch; 24) and not (40).
-      shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20010,2,20,greedy 20010,2,24,greedy 20010,2,40,greedy"
+      shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
       { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"
       tail -n 1 "$out/h200_memcheck.log" "$out/h200_racecheck.log"

@@ -8,10 +8,11 @@ namespace jax_markov {
 namespace walk {
 
 // Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
-// caller), greedy, no logits out, 17-64 requests (above MarkovWalkKernel's direct exchange), an even V
-// (its base logits are loaded two rows at a time).
+// caller), greedy, no logits out, 17-64 requests (above MarkovWalkKernel's direct exchange), V % 8 == 0
+// and base logits 16-byte aligned (it loads them 16 bytes at a time, 8 rows in bf16 and fp16).
 inline bool WalksTransposed(const WalkArgs& a) {
-  return a.batch > kDirectBatch && a.batch <= kMaxBatch && !a.sampling && a.logits == nullptr && a.vocab % 2 == 0;
+  return a.batch > kDirectBatch && a.batch <= kMaxBatch && !a.sampling && a.logits == nullptr && a.vocab % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(a.base) % 16 == 0;
 }
 
 // One launch of MarkovWalkTransposedKernel where WalksTransposed(args) holds (walk_launch_transposed.cu).

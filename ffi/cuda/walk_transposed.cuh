@@ -14,8 +14,12 @@
 //   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
 //   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
 //   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
-// - Operands in shared memory use the canonical K-major layout without swizzle: element (row, k) of
-//   a 64 x 256 operand at byte TransposedOffset(row, k).
+// - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
+//   a 64 x 256 operand at byte TransposedOffset(n, k). A W2 tile holds its rows in the order that gives
+//   each thread 16 consecutive rows (TileRow): the thread of column pair t holds rows 16 t .. 16 t + 15
+//   of the tile, so its base logits are one 32-byte run a request (two 16-byte loads in bf16, whole
+//   sectors) instead of eight 4-byte loads that each used half a sector; it still meets its rows in
+//   increasing order.
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
 //   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
 //   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
@@ -39,17 +43,23 @@ __host__ __device__ constexpr int TransposedOffset(int row, int k) {
 // An int32 with |x| < 2^22 as a float, exactly: 1.5 x 2^23 + x holds x in its low mantissa bits.
 __device__ __forceinline__ float SmallIntToFloat(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
 
-// Warpgroup-local copy of tile `row0`'s 64 W2 rows into `dst` (TransposedOffset layout), 16 bytes a
-// cp.async, 8 a thread (u = thread in the warpgroup). Within a warp, lanes L % 8 take 8 rows of one
-// 16-byte column (one 128-byte core matrix in shared memory) and L / 8 four adjacent columns (64
-// contiguous bytes of a row in global memory). Rows past V are zero.
+// The tile row (0-63) at wgmma column n: the accumulator columns 8 j + 2 t + h (j < 8, h < 2) of the
+// threads of column pair t hold rows 16 t + 2 j + h.
+__host__ __device__ constexpr int TileRow(int n) { return 16 * ((n % 8) / 2) + 2 * (n / 8) + n % 2; }
+
+// Warpgroup-local copy of tile `row0`'s 64 W2 rows into `dst` (TransposedOffset layout, column n
+// holding row TileRow(n)), 16 bytes a cp.async, 8 a thread (u = thread in the warpgroup). Within a
+// warp, lanes L % 8 take 8 columns of one 16-byte k-column (one 128-byte core matrix in shared
+// memory) and L / 8 four adjacent k-columns (64 contiguous bytes of a row in global memory). Rows past
+// V are zero.
 __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, int row0, int8_t* dst, int u) {
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const int q = u + 128 * m, lane = q % 32, group = q / 32;
-    const int row = 8 * (group % 8) + lane % 8, column = 4 * (group / 8) + lane / 8;
-    const bool inside = row0 + row < vocab;
-    CpAsync16(dst + TransposedOffset(row, 16 * column), w2 + size_t(inside ? row0 + row : 0) * kRank + 16 * column, inside);
+    const int n = 8 * (group % 8) + lane % 8, column = 4 * (group / 8) + lane / 8;
+    const int row = row0 + TileRow(n);
+    const bool inside = row < vocab;
+    CpAsync16(dst + TransposedOffset(n, 16 * column), w2 + size_t(inside ? row : 0) * kRank + 16 * column, inside);
   }
 }
 
@@ -76,22 +86,38 @@ __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, 
   }
 }
 
-// The raw bits of two adjacent base logits (rows row, row + 1 of one request and step, row even);
-// a pair at or past vocab_size is not loaded (its bits are never used).
+// The raw bits of two adjacent base logits (rows 2 j, 2 j + 1 of a thread's 16).
 template <int BASE>
 using BasePairBits = std::conditional_t<BASE == kF32, uint2, uint32_t>;
 
+// A thread's 16 base logits (rows row .. row + 15 of one request and step, at element `offset` of the
+// base logits' rows), 16 bytes a load, as 8 pairs. `whole`: all 16 lie before V; otherwise a 16-byte
+// vector at or past V (V % 8 == 0: wholly past it) is not loaded, its bits never used. Rows in
+// [vocab_size, V) are loaded and later replaced by -inf.
 template <int BASE>
-__device__ __forceinline__ BasePairBits<BASE> LoadBasePair(const WalkArgs& a, size_t offset, int row) {
-  BasePairBits<BASE> bits{};
-  if (row < a.vocab_size) {
+__device__ __forceinline__ void LoadThreadBase(const WalkArgs& a, size_t offset, int row, bool whole, BasePairBits<BASE> (&pairs)[8]) {
+  constexpr int kVectors = BASE == kF32 ? 4 : 2, kRowsPerVector = 16 / kVectors;
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.base) + (offset + row) * (BASE == kF32 ? 4 : 2));
+  uint4 v[kVectors];
+  if (whole) {
+#pragma unroll
+    for (int q = 0; q < kVectors; ++q) v[q] = __ldcs(src + q);
+  } else {
+#pragma unroll
+    for (int q = 0; q < kVectors; ++q) v[q] = row + q * kRowsPerVector < a.vocab ? __ldcs(src + q) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int q = 0; q < kVectors; ++q) {
     if constexpr (BASE == kF32) {
-      bits = __ldcs(reinterpret_cast<const uint2*>(static_cast<const float*>(a.base) + offset + row));
+      pairs[2 * q] = make_uint2(v[q].x, v[q].y);
+      pairs[2 * q + 1] = make_uint2(v[q].z, v[q].w);
     } else {
-      bits = __ldcs(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(a.base) + offset + row));
+      pairs[4 * q] = v[q].x;
+      pairs[4 * q + 1] = v[q].y;
+      pairs[4 * q + 2] = v[q].z;
+      pairs[4 * q + 3] = v[q].w;
     }
   }
-  return bits;
 }
 
 // Value h (0: row, 1: row + 1) of a pair as a float.
@@ -219,7 +245,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     Stamp(a, k, 3);
 
     // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r
-    //    (PACKED: request 8 w + g).
+    //    (PACKED: request 8 w + g) over its rows 16 t .. 16 t + 15 of each tile.
     const auto RequestOf = [&](int r) { return PACKED ? 8 * w + g : 16 * w + g + 8 * r; };
     // A warp whose requests all lie past the batch joins its warpgroup's wgmmas only.
     const bool warp_idle = (PACKED ? 8 * w : 16 * w) >= batch;
@@ -237,12 +263,12 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     }
     for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
       const int row0 = RowOf(i);
-      // The tile's base logits: rows 8 j + 2 t, + 1 of both requests, loaded while the MMAs run.
+      // The tile's base logits of this thread's rows, both requests, loaded while the MMAs run.
+      const int thread_row0 = row0 + 16 * t;
       BasePairBits<BASE> base[kRequests][8];
+      if (!warp_idle) {
 #pragma unroll
-      for (int r = 0; r < kRequests; ++r) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) base[r][j] = warp_idle ? BasePairBits<BASE>{} : LoadBasePair<BASE>(a, base_offset[r], row0 + 8 * j + 2 * t);
+        for (int r = 0; r < kRequests; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, row0 + kTransposedTileRows <= vocab, base[r]);
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
@@ -280,10 +306,10 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const auto Epilogue = [&](auto partial) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 8 * j + 2 * t]);
+          const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
 #pragma unroll
           for (int e = 0; e < 2 * kRequests; ++e) {
-            const int r = e / 2, row = row0 + 8 * j + 2 * t + e % 2;
+            const int r = e / 2, row = thread_row0 + 2 * j + e % 2;
             // The digits' sums: (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
             const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
             const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
