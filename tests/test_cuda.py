@@ -208,6 +208,8 @@ def test_large_batches_benchmark_shape(check_parity, batch):
     (48, 270336, jnp.bfloat16, jnp.bfloat16, False), (100, 20008, jnp.bfloat16, jnp.bfloat16, True),
     (36, 20010, jnp.bfloat16, jnp.bfloat16, False), (33, 20011, jnp.bfloat16, jnp.bfloat16, False)])
 def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, vocab, base_dtype, w1_dtype, extras):
+    takes = native.cuda_transposed_launches(batch, vocab, w1_dtype)
+    assert takes == [vocab % 8 == 0] * len(takes), takes
     rng = np.random.default_rng(batch + vocab)
     v_target = vocab + 5000 if extras else vocab
     base, anchor, head, _ = make_case(rng, batch, 7, vocab, v_target=v_target, base_dtype=base_dtype, w1_dtype=w1_dtype)
@@ -258,6 +260,8 @@ def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     base = base.astype(jnp.dtype(base_dtype))  # on the host, which keeps the NaN's sign (the GPU's cast would not)
     assert np.signbit(base[1, 0, 31000].astype(np.float32))
     base = jnp.asarray(base)
+    transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=return_logits)
+    assert transposed == [batch > 16 and not return_logits]
     got = jm.walk(base, anchor, zero_head, impl="ffi", return_logits=return_logits)
     ref = jm.walk(base, anchor, zero_head, impl="reference")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
@@ -302,6 +306,7 @@ def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     rng = np.random.default_rng(21)
     f = jax.jit(lambda b, a, h: jm.walk(b, a, h, impl="ffi", return_logits=return_logits))
     base1, anchor1, head1, _ = make_case(rng, batch, 7, vocab)
+    assert native.cuda_transposed_launches(batch, vocab, head1.w1.dtype, logits_out=return_logits) == [batch == 40]
     base2, anchor2, head2, _ = make_case(rng, batch, 7, vocab)
     r1 = f(base1, anchor1, head1)
     r2 = f(base2, anchor2, head2)

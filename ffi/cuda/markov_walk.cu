@@ -203,6 +203,17 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
 }  // namespace
 }  // namespace walk
 
+bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, const DeviceProperties& props) {
+  walk::WalkArgs args{};
+  args.batch = batch;
+  args.vocab = vocab;
+  args.sampling = sampling;
+  // Only whether logits go out matters (any pointer); base logits are taken as aligned (nullptr is).
+  char logits_sentinel = 0;
+  args.logits = logits_out ? &logits_sentinel : nullptr;
+  return walk::TakesTransposed(args, props);
+}
+
 #ifdef JAX_MARKOV_TIMELINE
 cudaError_t ReadTimeline(std::vector<unsigned long long>* out, int* ctas) {
   std::lock_guard<std::mutex> lock(walk::timeline_mu);

@@ -15,6 +15,10 @@ inline bool WalksTransposed(const WalkArgs& a) {
          reinterpret_cast<uintptr_t>(a.base) % 16 == 0;
 }
 
+// Whether MarkovWalkTransposedKernel walks this launch on this GPU: WalksTransposed(args) and its fixed
+// shared memory fits (else LaunchTransposed declines and MarkovWalkKernel walks).
+bool TakesTransposed(const WalkArgs& args, const DeviceProperties& props);
+
 // One launch of MarkovWalkTransposedKernel where WalksTransposed(args) holds (walk_launch_transposed.cu).
 // *launched is false where the CTA's fixed shared memory does not fit: the caller takes
 // MarkovWalkKernel then.

@@ -31,6 +31,14 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
 
 }  // namespace
 
+bool TakesTransposed(const WalkArgs& args, const DeviceProperties& props) {
+  if (!WalksTransposed(args)) return false;
+  const int total_tiles = (args.vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+  const int rows_per_cta = (total_tiles + props.sm_count - 1) / props.sm_count * kTransposedTileRows;
+  const int fixed = args.batch <= 32 ? TransposedSmem<true>::FixedBytes(rows_per_cta) : TransposedSmem<false>::FixedBytes(rows_per_cta);
+  return fixed <= props.smem_per_block;
+}
+
 // Up to 32 requests take the packed layout (one A operand for both digits).
 ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
   return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, launched)
