@@ -1,6 +1,6 @@
 """A/B of kernel versions on one GPU: the walk's device time per launch (with the noise kernel that
-a large sampled batch runs first), from ncu, for source trees built side by side and measured in
-alternating rounds (so that drift of the GPU hits every tree).
+a large sampled batch runs first), from ncu or from jax.profiler's device activity, for source trees
+built side by side and measured in alternating rounds (so that drift of the GPU hits every tree).
 
 Make one source tree per version, carry them to the GPU (for the device tool: under .dev/), then:
 
@@ -9,7 +9,9 @@ Make one source tree per version, carry them to the GPU (for the device tool: un
 
 Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/; every
 round runs `benchmarks/profile_kernel.py CONFIG` of each tree under `ncu --metrics
-gpu__time_duration.sum`, one ncu process per config (3 chained walks, ceil(B / 64) launches per walk). OUT gets the
+gpu__time_duration.sum`, one ncu process per config (3 chained walks, ceil(B / 64) launches per walk);
+with --timer profiler, one `profile_kernel.py --device-times CONFIGS` process per tree instead (the
+same walks after a warm-up, timed from the profiler's trace: no ncu start per config). OUT gets the
 raw durations (ab_durations.log) and the medians per config and tree, with the change against the
 first tree (ab_kernels.md).
 """
@@ -40,11 +42,23 @@ def launches(config: str) -> int:
     return CALLS * -(-batch // MAX_COLUMNS)
 
 
+def fold_noise(kernels: list[tuple[str, float]]) -> list[float]:
+    """Walk launch times (us) from (kernel, us) in launch order: a MarkovWalkNoise launch (the Gumbel
+    noise of a large sampled batch, made just before its walk) counts in the walk launch after it."""
+    walks, noise = [], 0.0
+    for kernel, us in kernels:
+        if kernel == "MarkovWalkNoise":
+            noise += us
+        else:
+            walks.append(us + noise)
+            noise = 0.0
+    return walks
+
+
 def parse_durations(ncu_output: str) -> list[float]:
     """The gpu__time_duration.sum of every walk launch of an ncu report, in launch order, in
-    microseconds. A MarkovWalkNoise launch (the Gumbel noise of a large sampled batch, made just before
-    its walk) counts in the walk launch that follows it."""
-    walks, noise, kernel = [], 0.0, ""
+    microseconds, the noise folded in (fold_noise)."""
+    kernels, kernel = [], ""
     for line in ncu_output.splitlines():
         named = _KERNEL.match(line)
         if named:
@@ -52,13 +66,19 @@ def parse_durations(ncu_output: str) -> list[float]:
             continue
         duration = _DURATION.search(line)
         if duration:
-            us = float(duration.group(2).replace(",", "")) * _UNIT_US[duration.group(1)]
-            if kernel == "MarkovWalkNoise":
-                noise += us
-            else:
-                walks.append(us + noise)
-                noise = 0.0
-    return walks
+            kernels.append((kernel, float(duration.group(2).replace(",", "")) * _UNIT_US[duration.group(1)]))
+    return fold_noise(kernels)
+
+
+def parse_device_times(output: str, configs: list[str]) -> dict[str, list[float]]:
+    """Walk launch times per config from `profile_kernel.py --device-times` ("KERNEL <config> <kernel>
+    <us>" lines), the noise folded in."""
+    kernels = {c: [] for c in configs}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "KERNEL" and parts[1] in kernels:
+            kernels[parts[1]].append((parts[2], float(parts[3])))
+    return {c: per_config(fold_noise(kernels[c]), [c])[c] for c in configs}
 
 
 def per_config(durations: list[float], configs: list[str]) -> dict[str, list[float]]:
@@ -104,10 +124,23 @@ def tree_name(tree: Path) -> str:
     return tree.resolve().name
 
 
-def measure(tree: Path, configs: list[str]) -> dict[str, list[float]]:
-    """The launch durations per config in the tree, one ncu run of profile_kernel.py each (one run of
-    eight configs once printed nothing in 600 s, where runs of one config each took 10 s)."""
+def measure(tree: Path, configs: list[str], timer: str = "ncu") -> dict[str, list[float]]:
+    """The launch durations per config in the tree: one ncu run of profile_kernel.py each (one run of
+    eight configs once printed nothing in 600 s, where runs of one config each took 10-60 s), or
+    (timer "profiler") one run of profile_kernel.py --device-times for all of them."""
+    if timer == "profiler":
+        return measure_profiler(tree, configs)
     return {c: measure_one(tree, c) for c in configs}
+
+
+def measure_profiler(tree: Path, configs: list[str]) -> dict[str, list[float]]:
+    """The launch durations of all configs in the tree from one profile_kernel.py --device-times run."""
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    done = subprocess.run([sys.executable, "benchmarks/profile_kernel.py", "--device-times", *configs], cwd=tree,
+                          env=env, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"profile_kernel.py --device-times in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return parse_device_times(done.stdout, configs)
 
 
 def measure_one(tree: Path, config: str) -> list[float]:
@@ -128,6 +161,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for ab_durations.log and ab_kernels.md")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--timer", choices=("ncu", "profiler"), default="ncu",
+                   help="ncu (a run a config) or profiler (jax.profiler's device activity, a run a tree)")
     p.add_argument("trees", nargs="+", help="source trees, then -- and the configs V,K,B,mode[,head]")
     argv = sys.argv[1:]
     if "--" not in argv or argv.index("--") == len(argv) - 1:
@@ -142,10 +177,12 @@ def main() -> None:
     names = {t: tree_name(t) for t in trees}
     runs = {names[t]: [] for t in trees}
     with open(out / "ab_durations.log", "w") as log:
-        log.write(f"# {' '.join(NCU)} python3 benchmarks/profile_kernel.py CONFIG, a run each of {' '.join(configs)}\n")
+        how = (f"{' '.join(NCU)} python3 benchmarks/profile_kernel.py CONFIG, a run each" if args.timer == "ncu" else
+               "python3 benchmarks/profile_kernel.py --device-times CONFIGS, a run a tree")
+        log.write(f"# {how} of {' '.join(configs)}\n")
         for r in range(args.rounds):
             for t in trees:
-                durations = measure(t, configs)
+                durations = measure(t, configs, args.timer)
                 runs[names[t]].append(durations)
                 line = " ".join(f"{v:.2f}" for c in configs for v in durations[c])
                 log.write(f"== {names[t]} round {r + 1}: {line}\n")

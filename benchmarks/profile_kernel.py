@@ -1,12 +1,21 @@
-"""Runs the kernel a few times per configuration, for a profiler to capture (ncu, compute-sanitizer).
+"""Runs the kernel a few times per configuration, for a profiler to capture (ncu, compute-sanitizer),
+or (--device-times) times its launches itself from the device activity that jax.profiler records.
 
     ncu --clock-control none --kernel-name regex:MarkovWalk --metrics gpu__time_duration.sum \
         python3 benchmarks/profile_kernel.py 151936,7,1,greedy 151936,7,64,probabilistic 151936,7,1,greedy,bf16
     compute-sanitizer --tool memcheck python3 benchmarks/profile_kernel.py 5003,3,3,probabilistic
+    python3 benchmarks/profile_kernel.py --device-times 151936,7,64,greedy 151936,7,24,probabilistic
+
+With --device-times, each config's chained walks run once to compile and warm up, then again under
+the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
+launch order.
 """
 from __future__ import annotations
 
+import glob
+import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +37,8 @@ def walk_options(mode: str, batch: int) -> dict:
     return kw
 
 
-def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
-    """`calls` chained walks of one configuration; head_format "int8" (quantized) or "bf16"."""
+def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"):
+    """The jitted walk of one configuration and its inputs; head_format "int8" (quantized) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
@@ -38,12 +47,56 @@ def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = walk_options(mode, batch)
-    f = jax.jit(lambda base, anchor: jm.walk(base, anchor, head, impl="ffi", **kw))
+    return jax.jit(lambda base, anchor: jm.walk(base, anchor, head, impl="ffi", **kw)), base, anchor
+
+
+def walk_chain(f, base, anchor, calls: int):
+    """`calls` walks, each anchored on the previous one's last token."""
     for _ in range(calls):
         out = f(base, anchor)
         anchor = out.tokens[:, -1]
-    jax.block_until_ready(out)
+    return jax.block_until_ready(out)
+
+
+def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
+    """`calls` chained walks of one configuration."""
+    out = walk_chain(*prepare(vocab, steps, batch, mode, head_format), calls)
     print(f"V={vocab} K={steps} B={batch} {mode} {head_format}: tokens[0] = {np.asarray(out.tokens[0]).tolist()}")
+
+
+# The walk's kernels, in a demangled name ("void jax_markov::walk::MarkovWalkKernel<...>(...)") or a
+# mangled one ("_ZN10jax_markov4walk16MarkovWalkKernelILi2E...").
+_WALK_KERNEL = re.compile(r"(MarkovWalk(?:TransposedKernel|Kernel|Noise))")
+
+
+def walk_kernel_events(planes) -> list[tuple[str, float]]:
+    """(kernel, microseconds) of every walk kernel (MarkovWalk*) on the GPU streams of a profile's
+    planes, in start order; the kernel is its bare name (MarkovWalkKernel, MarkovWalkNoise, ...)."""
+    events = []
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                named = _WALK_KERNEL.search(e.name)
+                if named:
+                    events.append((e.start_ns, named.group(1), e.duration_ns / 1e3))
+    return [(name, us) for _, name, us in sorted(events)]
+
+
+def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
+    """The walk kernels of `calls` chained walks of one config, timed by the profiler, after a warm-up."""
+    from jax.profiler import ProfileData
+
+    f, base, anchor = prepare(*parse(spec))
+    walk_chain(f, base, anchor, calls)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            walk_chain(f, base, anchor, calls)
+        files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        return walk_kernel_events(ProfileData.from_file(files[0]).planes if files else [])
 
 
 def parse(spec: str) -> tuple:
@@ -57,5 +110,11 @@ def parse(spec: str) -> tuple:
 
 
 if __name__ == "__main__":
-    for spec in sys.argv[1:] or ["151936,7,1,greedy"]:
-        run(*parse(spec))
+    args = sys.argv[1:]
+    if args[:1] == ["--device-times"]:
+        for spec in args[1:]:
+            for name, us in device_times(spec):
+                print(f"KERNEL {spec} {name} {us:.3f}", flush=True)
+    else:
+        for spec in args or ["151936,7,1,greedy"]:
+            run(*parse(spec))

@@ -64,3 +64,31 @@ def test_each_config_is_measured_in_an_ncu_run_of_its_own(monkeypatch, tmp_path)
     runs = ab_kernels.measure(tmp_path, ["5003,3,3,greedy", "151936,7,128,greedy"])
     assert calls == [["5003,3,3,greedy"], ["151936,7,128,greedy"]]
     assert runs == {"5003,3,3,greedy": [10.0] * 3, "151936,7,128,greedy": [20.0] * 6}
+
+
+def test_device_times_per_config_with_the_noise_folded_in():
+    configs = ["151936,7,64,probabilistic", "5003,3,3,greedy"]
+    output = "\n".join(
+        ["V=... warm-up line that is not a kernel"]
+        + [f"KERNEL {configs[0]} {name} {us}" for _ in range(3) for name, us in (("MarkovWalkNoise", 280.0),
+                                                                                  ("MarkovWalkKernel", 500.5))]
+        + [f"KERNEL {configs[1]} MarkovWalkTransposedKernel {us}" for us in (50.0, 51.0, 52.0)])
+    runs = ab_kernels.parse_device_times(output, configs)
+    assert runs == {configs[0]: pytest.approx([780.5] * 3), configs[1]: pytest.approx([50.0, 51.0, 52.0])}
+    with pytest.raises(ValueError, match="reported 2 kernel launches, the configs make 3"):
+        ab_kernels.parse_device_times("\n".join(output.splitlines()[:-1]), configs)
+
+
+def test_the_profiler_timer_runs_one_process_a_tree(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd[cmd.index("benchmarks/profile_kernel.py") + 1:])
+        lines = [f"KERNEL {c} MarkovWalkKernel 10.0" for c in cmd[cmd.index("--device-times") + 1:]
+                 for _ in range(ab_kernels.launches(c))]
+        return subprocess.CompletedProcess(cmd, 0, stdout="\n".join(lines), stderr="")
+
+    monkeypatch.setattr(ab_kernels.subprocess, "run", fake_run)
+    runs = ab_kernels.measure(tmp_path, ["5003,3,3,greedy", "151936,7,128,greedy"], timer="profiler")
+    assert calls == [["--device-times", "5003,3,3,greedy", "151936,7,128,greedy"]]
+    assert runs == {"5003,3,3,greedy": [10.0] * 3, "151936,7,128,greedy": [10.0] * 6}

@@ -27,3 +27,39 @@ def test_the_f32_modes_write_float32_logits_and_the_others_bf16():
     sampled = profile_kernel.walk_options("probabilistic-f32", 4)
     assert sampled["logits_dtype"] == profile_kernel.jnp.float32 and sampled["temperature"].shape == (4,)
     assert "temperature" not in profile_kernel.walk_options("greedy-logits-f32", 4)
+
+
+class _Event:
+    def __init__(self, name, start_ns, duration_ns):
+        self.name, self.start_ns, self.duration_ns = name, start_ns, duration_ns
+
+
+class _Line:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+
+class _Plane:
+    def __init__(self, name, lines):
+        self.name, self.lines = name, lines
+
+
+def test_walk_kernel_events_from_the_gpu_streams_in_start_order():
+    planes = [
+        _Plane("/host:CPU", [_Line("python3", [_Event("MarkovWalkKernel host-side call", 0, 10)])]),
+        _Plane("/device:GPU:0", [
+            _Line("Stream #14(compute)", [
+                _Event("void jax_markov::walk::MarkovWalkTransposedKernel<1, false>(jax_markov::walk::WalkArgs)",
+                       3000, 180_500),
+                _Event("loop_convert_fusion", 2000, 900),
+                _Event("void jax_markov::walk::MarkovWalkNoise<4>(jax_markov::walk::WalkArgs, float*)", 1000, 280_000),
+            ]),
+            _Line("XLA Ops", [_Event("MarkovWalkKernel op", 0, 5)]),
+        ]),
+        _Plane("/device:GPU:1", [_Line("Stream #7", [
+            _Event("_ZN10jax_markov4walk15MarkovWalkNoiseILi4EEEvNS0_8WalkArgsEPf", 4000, 1000),
+            _Event("_ZN10jax_markov4walk16MarkovWalkKernelILi2ELb0ELb0ELi0ELi512ELb1EEEvNS0_8WalkArgsE", 5000, 2000)])]),
+    ]
+    assert profile_kernel.walk_kernel_events(planes) == [("MarkovWalkNoise", 280.0),
+                                                         ("MarkovWalkTransposedKernel", 180.5),
+                                                         ("MarkovWalkNoise", 1.0), ("MarkovWalkKernel", 2.0)]
