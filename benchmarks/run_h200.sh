@@ -8,7 +8,7 @@
 # Writes into OUT_DIR: h200_test_cuda.log, h200_timeline.{md,json}, h200.{md,json,png},
 # h200_gpu_timing.log, h200_memcheck.log, h200_racecheck.log (copy them to benchmarks/results/ and
 # logs/ as they are). The commit recorded in the tables is $JAX_MARKOV_COMMIT or git's HEAD; set it
-# on the device tool's machine, whose checkout keeps the .git of its first call (a stale HEAD).
+# on the device tool's machine, where git's HEAD once named an older commit than the tree that ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]}
