@@ -135,26 +135,29 @@ def measure(tree: Path, configs: list[str], timer: str = "ncu") -> dict[str, lis
 
 def measure_profiler(tree: Path, configs: list[str]) -> dict[str, list[float]]:
     """The launch durations of all configs in the tree from one profile_kernel.py --device-times run."""
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
-    done = subprocess.run([sys.executable, "benchmarks/profile_kernel.py", "--device-times", *configs], cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"profile_kernel.py --device-times in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return parse_device_times(done.stdout, configs)
+    printed = run_in_tree(tree, [sys.executable, "benchmarks/profile_kernel.py", "--device-times", *configs],
+                          "profile_kernel.py --device-times")
+    return parse_device_times(printed, configs)
 
 
 def measure_one(tree: Path, config: str) -> list[float]:
     """One ncu run of profile_kernel.py for one config in the tree: its launch durations."""
+    printed = run_in_tree(tree, NCU + [sys.executable, "benchmarks/profile_kernel.py", config], "ncu")
+    return per_config(parse_durations(printed), [config])[config]
+
+
+def run_in_tree(tree: Path, cmd: list[str], what: str) -> str:
+    """Runs cmd in the tree with its own jax_markov, within MEASURE_TIMEOUT_S; returns what it printed.
+    A run that fails or hangs is an error that shows the end of its output."""
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     try:
-        done = subprocess.run(NCU + [sys.executable, "benchmarks/profile_kernel.py", config], cwd=tree, env=env,
-                              capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         printed = (e.stdout or b"").decode(errors="replace")[-3000:]  # bytes even with text=True
-        raise RuntimeError(f"ncu in {tree} ran past {MEASURE_TIMEOUT_S} s; it printed:\n{printed}") from e
+        raise RuntimeError(f"{what} in {tree} ran past {MEASURE_TIMEOUT_S} s; it printed:\n{printed}") from e
     if done.returncode != 0:
-        raise RuntimeError(f"ncu in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return per_config(parse_durations(done.stdout), [config])[config]
+        raise RuntimeError(f"{what} in {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout
 
 
 def main() -> None:

@@ -92,3 +92,13 @@ def test_the_profiler_timer_runs_one_process_a_tree(monkeypatch, tmp_path):
     runs = ab_kernels.measure(tmp_path, ["5003,3,3,greedy", "151936,7,128,greedy"], timer="profiler")
     assert calls == [["--device-times", "5003,3,3,greedy", "151936,7,128,greedy"]]
     assert runs == {"5003,3,3,greedy": [10.0] * 3, "151936,7,128,greedy": [10.0] * 6}
+
+
+@pytest.mark.parametrize("timer,what", [("ncu", "ncu"), ("profiler", "profile_kernel.py --device-times")])
+def test_a_run_that_hangs_is_an_error_that_shows_its_output(monkeypatch, tmp_path, timer, what):
+    def hang(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=b"KERNEL 5003,3,3,greedy MarkovWalkKernel 1.0")
+
+    monkeypatch.setattr(ab_kernels.subprocess, "run", hang)
+    with pytest.raises(RuntimeError, match=f"{what} in .* ran past 300 s; it printed:\nKERNEL 5003"):
+        ab_kernels.measure(tmp_path, ["5003,3,3,greedy"], timer=timer)
