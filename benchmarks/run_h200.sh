@@ -18,9 +18,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 py=$(command -v python3)
 
-build() {  # build DIR [cmake options]: the CPU and CUDA modules
-  local dir=$1
+build() {  # build DIR [cmake options]: the CPU and CUDA modules, from scratch (a warm machine may hold
+  local dir=$1  # DIR from another tree, whose CMake cache would refuse this one)
   shift
+  rm -rf "$dir"
   cmake -S . -B "$dir" -G Ninja -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release "$@" > "$dir.log" 2>&1 &&
     ninja -C "$dir" _markov_cuda _markov_cpu >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
 }
