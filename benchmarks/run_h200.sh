@@ -18,9 +18,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 py=$(command -v python3)
 
-build() {  # build DIR [cmake options]: the CPU and CUDA modules
-  local dir=$1
+build() {  # build DIR [cmake options]: the CPU and CUDA modules, from scratch (a warm machine may hold
+  local dir=$1  # DIR from another tree, whose CMake cache would refuse this one)
   shift
+  rm -rf "$dir"
   cmake -S . -B "$dir" -G Ninja -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release "$@" > "$dir.log" 2>&1 &&
     ninja -C "$dir" _markov_cuda _markov_cpu >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
 }
@@ -66,11 +67,13 @@ for part in $parts; do
       grep -E "kernel \(int8\)" "$out/h200.md"
       ;;
     sanitizers)
-      # 20011,2,40 and 20008,2,40 probabilistic: their noise does not fit in shared memory, so
-      # MarkovWalkNoise makes it; the latter's bf16 logits go out through shared memory (V % 8 == 0),
-      # as do those of 5000,3,12. The greedy ones take the transposed kernel: packed (20: a warp of
-      # requests past the batch; 24) and not (40).
-      shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
+      # 20011,2,40, 20008,2,40 and 40008,2,24 probabilistic: their noise does not fit in shared memory,
+      # so MarkovWalkNoise makes it; the first walks in MarkovWalkKernel (V % 8 != 0), the others in the
+      # transposed kernel's GENERAL instantiation (not packed at 40, packed at 24), their bf16 logits
+      # stored 16 bytes at a time. 5000,3,12's bf16 logits go out through MarkovWalkKernel's shared
+      # memory. The greedy ones take the transposed kernel: packed (20: a warp of requests past the
+      # batch; 24) and not (40).
+      shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
       { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"
       tail -n 1 "$out/h200_memcheck.log" "$out/h200_racecheck.log"

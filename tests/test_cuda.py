@@ -106,19 +106,25 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 
 
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
-# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. (Batches of
-# 9 or more have all of it made before the walk, by MarkovWalkNoise: the mixed benchmark shapes at
-# B >= 16, test_padding_d2t_logit_scale at B = 40, and B = 40 here, whose f32 logits are staged in
-# shared memory and whose last tile is half outside V = 100008.)
+# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. Batches of
+# 9 or more whose noise does not fit in shared memory have all of it made before the walk, by
+# MarkovWalkNoise; with 17-64 requests and V % 8 == 0 the transposed kernel then walks (its GENERAL
+# instantiation: packed at 24, not at 40 and 48; the last tile half outside V = 100008 and 60008),
+# as it does the mixed benchmark shapes at B = 64. At V = 8000 the noise of 40 requests fits in shared
+# memory: MarkovWalkKernel, its f32 logits staged in shared memory.
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
     (5, 3, 151936, jnp.float32, jnp.float16), (6, 7, 151936, jnp.bfloat16, jnp.float32),
     (2, 16, 248320, jnp.bfloat16, jnp.float32),
-    (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32)])
+    (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32),
+    (24, 5, 100008, jnp.float16, jnp.bfloat16), (48, 3, 60008, jnp.float32, jnp.float16),
+    (40, 3, 8000, jnp.bfloat16, jnp.float32)])
 def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dtype):
     rng = np.random.default_rng(hash((batch, steps, vocab, str(base_dtype), str(logits_dtype))) % 2**32)
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)
+    transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, sampling=True, logits_out=True)
+    assert transposed == [batch > 16 and vocab % 8 == 0 and vocab != 8000], transposed
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 
@@ -162,13 +168,14 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
     check_parity(base, anchor, head, kw)
 
 
-# 16-bit logits go out through shared memory, 16 bytes a store, where V % 8 == 0 (40008 and 100008
-# end in a half tile), and one value a store otherwise (40009, 100003), at every MMA width: 3, 8, 16,
-# 24, 40 and 64 requests. 24, 40 and 48 sampled requests at V = 100003 and 100008 read their noise
+# 16-bit logits go out 16 bytes a store where V % 8 == 0 (40008 and 100008 end in a half tile): through
+# shared memory in MarkovWalkKernel (3, 8, 16 requests; 40 sampled at V = 8000, whose noise fits in
+# shared memory), from registers in the transposed kernel (40 mixed and 64 greedy); one value a store
+# otherwise (40009, 100003). 24, 40 and 48 sampled requests at V = 100003 and 100008 read their noise
 # from MarkovWalkNoise (V odd and even; at 48 requests and odd V in the general epilogue).
 @pytest.mark.parametrize("batch,vocab,mode", [(3, 40008, "sampled"), (8, 40009, "sampled"), (16, 40008, "greedy"),
                                               (24, 100003, "mixed"), (40, 100008, "mixed"), (48, 100003, "mixed"),
-                                              (64, 40008, "greedy")])
+                                              (64, 40008, "greedy"), (40, 8000, "sampled")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
 def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
     rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)
@@ -238,9 +245,9 @@ def test_padding_d2t_logit_scale(check_parity, batch):
     assert np.all(np.isneginf(np.asarray(got.logits[:, :, vocab - 77:])))
 
 
-# Batch 4 scores with mma.sync, greedy walks without logits in the branch-free epilogue; with logits
-# (and 24 and 40 with logits, by wgmma) the general epilogue; 24 and 40 without logits take the
-# transposed kernel (packed at 24, not at 40), with its own epilogue.
+# Batch 4 scores with mma.sync, greedy walks without logits in the branch-free epilogue, with logits in
+# the general epilogue; 24 and 40 take the transposed kernel (packed at 24, not at 40), its plain
+# epilogue without logits and its GENERAL one with them.
 @pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (24, jnp.bfloat16), (24, jnp.float16), (40, jnp.float32)])
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_exact_ties_and_nan(batch, base_dtype, return_logits):
@@ -261,7 +268,7 @@ def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     assert np.signbit(base[1, 0, 31000].astype(np.float32))
     base = jnp.asarray(base)
     transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=return_logits)
-    assert transposed == [batch > 16 and not return_logits]
+    assert transposed == [batch > 16]
     got = jm.walk(base, anchor, zero_head, impl="ffi", return_logits=return_logits)
     ref = jm.walk(base, anchor, zero_head, impl="reference")
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
@@ -298,10 +305,10 @@ def test_jit_while_loop_and_vmap():
                                                                             impl="reference").tokens))
 
 
-# 16 requests with logits exchange directly in MarkovWalkKernel; 40 greedy without logits walk in the
-# transposed kernel (atomic exchange). Each leaves the workspace as the next call needs it: the second
-# input set's tokens equal the reference's and the first set's bits repeat.
-@pytest.mark.parametrize("batch,vocab,return_logits", [(16, 80021, True), (40, 80024, False)])
+# 16 requests with logits exchange directly in MarkovWalkKernel; 40 walk in the transposed kernel
+# (atomic exchange), without logits and with them (GENERAL). Each leaves the workspace as the next call
+# needs it: the second input set's tokens equal the reference's and the first set's bits repeat.
+@pytest.mark.parametrize("batch,vocab,return_logits", [(16, 80021, True), (40, 80024, False), (40, 80024, True)])
 def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     rng = np.random.default_rng(21)
     f = jax.jit(lambda b, a, h: jm.walk(b, a, h, impl="ffi", return_logits=return_logits))

@@ -70,6 +70,12 @@ cudaError_t TimelineBuffer(int ctas, unsigned long long** out) {
 }
 #endif
 
+// Whether a sampled call whose widest launch walks `widest` requests gets scratch for MarkovWalkNoise:
+// where that launch's noise does not fit in shared memory (FillNoise), from kNoisePassRequests on.
+bool WantsNoiseBuffer(bool sampling, int widest, int vocab, int sm_count) {
+  return sampling && widest >= kNoisePassRequests && !NoiseFitsAhead(widest, RowsPerCta(vocab, sm_count));
+}
+
 int DTypeCode(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return kF32;
@@ -167,13 +173,13 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   const int64_t chunk = split ? kMaxBatch / 2 : kMaxBatch;
   const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
   const int logits_esize = logits_dtype == kF32 ? 4 : 2;
-  // Sampled batches of kNoisePassRequests or more whose noise does not fit in shared memory get it
-  // from MarkovWalkNoise, in scratch that XLA lends for this call ([K, ceil(V / 16), widest launch, 16]
-  // floats, reused by every launch in stream order). Without it (the allocation failed) the walk
-  // computes the noise itself, slower.
+  // Sampled batches get their noise from MarkovWalkNoise where WantsNoiseBuffer, in scratch that XLA
+  // lends for this call ([K, ceil(V / 16), widest launch, 16] floats, reused by every launch in stream
+  // order). Without it (the allocation failed) MarkovWalkKernel walks and computes the noise itself,
+  // slower.
   float* noise_buffer = nullptr;
   const int64_t widest = std::min(chunk, batch);
-  if (sampling && widest >= kNoisePassRequests && !NoiseFitsAhead(int(widest), RowsPerCta(int(vocab), props.sm_count))) {
+  if (WantsNoiseBuffer(sampling, int(widest), int(vocab), props.sm_count)) {
     const size_t tiles = (vocab + kTileRows - 1) / kTileRows;
     const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * tiles * kTileRows * sizeof(float), 16);
     if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
@@ -203,15 +209,16 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
 }  // namespace
 }  // namespace walk
 
-bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, const DeviceProperties& props) {
+bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, int widest, const DeviceProperties& props) {
   walk::WalkArgs args{};
   args.batch = batch;
   args.vocab = vocab;
   args.sampling = sampling;
-  // Only whether logits go out matters (any pointer); base logits are taken as aligned (nullptr is).
-  char logits_sentinel = 0;
+  // Only whether logits go out matters (any pointer); base logits and logits are taken as aligned, as
+  // XLA allocates them (nullptr is; so is this 16-byte aligned stand-in).
+  alignas(16) static char logits_sentinel = 0;
   args.logits = logits_out ? &logits_sentinel : nullptr;
-  return walk::TakesTransposed(args, props);
+  return walk::TakesTransposed(args, walk::WantsNoiseBuffer(sampling, widest, vocab, props.sm_count), props);
 }
 
 #ifdef JAX_MARKOV_TIMELINE
