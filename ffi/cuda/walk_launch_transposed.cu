@@ -20,8 +20,7 @@ auto KernelFor(bool general) {
 }
 
 template <bool PACKED>
-ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer,
-                        bool* launched) {
+ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
   *launched = false;
   const int grid = props.sm_count;
   const int total_tiles = (args.vocab + kTransposedTileRows - 1) / kTransposedTileRows;
@@ -37,14 +36,6 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
                                            : KernelFor<kF16, PACKED>(general);
   const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
-  args.noise = nullptr;
-  if (args.sampling) {
-    const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
-    MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
-    args.noise = noise_buffer;
-  }
   void* params[] = {&args};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);
@@ -54,15 +45,14 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
 
 }  // namespace
 
-bool TakesTransposed(const WalkArgs& args, bool has_noise_buffer, const DeviceProperties& props) {
-  return WalksTransposed(args, has_noise_buffer) && FixedBytes(args.batch <= 32, args.vocab, props.sm_count) <= props.smem_per_block;
+bool TakesTransposed(const WalkArgs& args, const DeviceProperties& props) {
+  return WalksTransposed(args) && FixedBytes(args.batch <= 32, args.vocab, props.sm_count) <= props.smem_per_block;
 }
 
 // Up to 32 requests take the packed layout (one A operand for both digits).
-ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args,
-                            float* noise_buffer, bool* launched) {
-  return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, noise_buffer, launched)
-                          : LaunchLayout<false>(stream, device, props, args, noise_buffer, launched);
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
+  return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, launched)
+                          : LaunchLayout<false>(stream, device, props, args, launched);
 }
 
 }  // namespace walk
