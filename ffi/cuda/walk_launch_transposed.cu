@@ -15,8 +15,9 @@ int FixedBytes(bool packed, int vocab, int sm_count) {
 }
 
 template <int BASE, bool PACKED>
-auto KernelFor(bool general) {
-  return general ? MarkovWalkTransposedKernel<BASE, PACKED, true> : MarkovWalkTransposedKernel<BASE, PACKED, false>;
+auto KernelFor(const WalkArgs& args) {
+  if (args.sampling) return MarkovWalkTransposedKernel<BASE, PACKED, kSampledWalk>;
+  return args.logits != nullptr ? MarkovWalkTransposedKernel<BASE, PACKED, kLogitsWalk> : MarkovWalkTransposedKernel<BASE, PACKED, kPlainWalk>;
 }
 
 template <bool PACKED>
@@ -29,11 +30,9 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
   if (fixed > props.smem_per_block) return ffi::Error::Success();
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
   const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
-  // Sampled walks and walks with logits out take the GENERAL kernel.
-  const bool general = args.sampling || args.logits != nullptr;
-  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(general)
-                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(general)
-                                           : KernelFor<kF16, PACKED>(general);
+  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(args)
+                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(args)
+                                           : KernelFor<kF16, PACKED>(args);
   const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
   void* params[] = {&args};

@@ -1,6 +1,7 @@
 // The transposed walk kernel: walks of 17 to 64 requests over int8 W2 (see walk_kernel.cuh for the
 // walk it shares its exchange and helpers with). Greedy walks with no logits out take the plain
-// instantiation; sampled walks and walks with logits out take the GENERAL one.
+// instantiation (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
+// (kLogitsWalk, kSampledWalk).
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
@@ -21,7 +22,7 @@
 //   of the tile, so its base logits are one 32-byte run a request (two 16-byte loads in bf16, whole
 //   sectors) instead of eight 4-byte loads that each used half a sector; it still meets its rows in
 //   increasing order.
-// - GENERAL: l is rounded to the logits dtype before it is chosen from (one copy of the epilogue per
+// - The general epilogue: l is rounded to the logits dtype before it is chosen from (one copy of the epilogue per
 //   dtype, picked once a tile) and a thread stores its 16 rows of a request 16 bytes at a time; a
 //   sampled request scores l / T + g, its Gumbel noise computed in the epilogue, four rows at a time
 //   (Philox chains in lockstep). Reading it from a kernel of its own (MarkovWalkNoise, v39) cost that
@@ -165,16 +166,22 @@ struct TransposedSmem {
 };
 static_assert(TransposedSmem<false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 
-template <int BASE, bool PACKED, bool GENERAL>
+// What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
+// logits out (greedy), or sampling (and logits out if asked). Each is its own instantiation: the
+// noise's code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2 };
+
+template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+  constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
   using Layout = TransposedSmem<PACKED>;
   constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
-  // Requests whose base logits a thread loads before the MMAs: GENERAL without PACKED loads request 1's
-  // after request 0's epilogue (registers for the noise's chains).
-  constexpr int kEarly = GENERAL && !PACKED ? 1 : kRequests;
+  // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
+  // request 1's after request 0's epilogue (registers for the noise's chains).
+  constexpr int kEarly = WALK == kSampledWalk && !PACKED ? 1 : kRequests;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
@@ -276,8 +283,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     int best_row[kRequests];
     float unscale_of[kRequests];
     size_t base_offset[kRequests];  // also the logits' (both [B, K, V])
-    float inv_t[kRequests];  // GENERAL: 1 / T of a sampled request, 0 for a greedy one
-    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // GENERAL: its Philox key and counter
+    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one
+    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // kSampledWalk: its Philox key and counter
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
       best_value[r] = -INFINITY;
@@ -285,7 +292,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
-      if constexpr (GENERAL) {
+      if constexpr (WALK == kSampledWalk) {
         const float temp = a.temperature[rq];
         inv_t[r] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
         key0[r] = a.key[2 * rq];
@@ -377,7 +384,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         for (int r = 0; r < kRequests; ++r) {
           const int early = r < kEarly ? r : 0;
           if (r >= kEarly) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[0]);
-          const bool sampled = inv_t[r] > 0.0f;
+          const bool sampled = WALK == kSampledWalk && inv_t[r] > 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
           float gumbel[4];
 #pragma unroll
