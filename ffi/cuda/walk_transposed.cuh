@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
-  // request 1's after request 0's epilogue (registers for the noise's chains).
+  // request 1's once the accumulators are turned into floats (registers for the noise's chains).
   constexpr int kEarly = WALK == kSampledWalk && !PACKED ? 1 : kRequests;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
@@ -363,8 +363,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         }
       };
       // GENERAL: request r's l rounded to the logits dtype OUT (kNone: no logits out) and stored, and
-      // its score (sampled: l / T + g, g made here for rows 4 q .. 4 q + 3 at once), from base[0] where
-      // r >= kEarly (loaded here).
+      // its score (sampled: l / T + g, g made here for rows 4 q .. 4 q + 3 at once), from base[r], or for
+      // r >= kEarly from `late` (loaded once the accumulators are floats, before request 0's noise).
       const auto GeneralEpilogue = [&](auto partial, auto out) {
         constexpr int kOut = decltype(out)::value;
         // scale x dot of every value first: the digits' accumulators (64 registers unpacked) are free
@@ -380,10 +380,11 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
             scaled_dot[e / 2][2 * j + e % 2] = (e % 2 ? sc.y : sc.x) * dot;
           }
         }
+        BasePairBits<BASE> late[8];
+        if constexpr (kEarly < kRequests) LoadThreadBase<BASE>(a, base_offset[kEarly], thread_row0, whole, late);
 #pragma unroll
         for (int r = 0; r < kRequests; ++r) {
-          const int early = r < kEarly ? r : 0;
-          if (r >= kEarly) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[0]);
+          const BasePairBits<BASE>(&base_r)[8] = r < kEarly ? base[r < kEarly ? r : 0] : late;
           const bool sampled = WALK == kSampledWalk && inv_t[r] > 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
           float gumbel[4];
@@ -403,7 +404,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int row = thread_row0 + 2 * j + h;
-              float l = __fmaf_rn(scaled_dot[r][2 * j + h], unscale_of[r], BasePairValue<BASE>(base[early][j], h));
+              float l = __fmaf_rn(scaled_dot[r][2 * j + h], unscale_of[r], BasePairValue<BASE>(base_r[j], h));
               if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
               if constexpr (kOut != kNone) {
                 uint32_t b;
