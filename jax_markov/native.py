@@ -86,8 +86,7 @@ def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, sampling: bool
         raise RuntimeError("the jax_markov CUDA module is not built")
     props = _gpu_properties()
     per_launch = CUDA_LAUNCH_COLUMNS // cuda_columns_per_request(w1_dtype, np.int8)
-    widest = min(per_launch, batch)
-    return [bool(_markov_cuda.launch_takes_transposed(min(per_launch, batch - b0), vocab, sampling, logits_out, widest,
+    return [bool(_markov_cuda.launch_takes_transposed(min(per_launch, batch - b0), vocab, sampling, logits_out,
                                                       props["sm_count"], props["smem_per_block"]))
             for b0 in range(0, batch, per_launch)]
 

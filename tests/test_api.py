@@ -478,8 +478,8 @@ def test_lowering_float_heads_for_cuda():
 
 def test_which_launches_take_the_transposed_kernel():
     """Launches of 17-64 requests over int8 W2 with V % 8 == 0 take the transposed kernel, greedy or
-    with logits out, and sampled where the call gets noise scratch (its widest launch's noise does not
-    fit in shared memory); fp32 W1 walks 32 requests a launch; everything else takes MarkovWalkKernel.
+    sampled, with logits out or not; fp32 W1 walks 32 requests a launch; everything else takes
+    MarkovWalkKernel.
     (The GPU tests assert this of their cases, so that a case meant for one kernel cannot drift to
     the other unseen.)"""
     if not native.cuda_available():
@@ -498,17 +498,12 @@ def test_which_launches_take_the_transposed_kernel():
     assert native.cuda_transposed_launches(24, 151936, bf16, logits_out=True) == [True]
     assert native.cuda_transposed_launches(64, 151936, bf16, sampling=True, logits_out=True) == [True]
     assert native.cuda_transposed_launches(16, 151936, bf16, sampling=True) == [False]
-    # At V = 20008 a CTA holds 160 rows: the noise of up to 38 requests fits in shared memory (24 KB),
-    # so a call of 24 gets no noise scratch and its sampled launch takes MarkovWalkKernel; 40 do get it.
-    assert native.cuda_transposed_launches(24, 20008, bf16, sampling=True) == [False]
-    assert native.cuda_transposed_launches(24, 20008, bf16, logits_out=True) == [True]
-    assert native.cuda_transposed_launches(40, 20008, bf16, sampling=True) == [True]
-    # 64 + 20: the widest launch decides the scratch, which the narrower one then uses too.
-    assert native.cuda_transposed_launches(84, 20008, bf16, sampling=True) == [True, True]
+    assert native.cuda_transposed_launches(24, 20008, bf16, sampling=True) == [True]
+    assert native.cuda_transposed_launches(84, 20008, bf16, sampling=True) == [True, True]  # 64 + 20
     assert native.cuda_transposed_launches(24, 20010, bf16, sampling=True) == [False]  # V % 8 != 0
     # A GPU whose shared memory cannot hold the kernel's fixed part (2 SMs: 1187 tiles a CTA).
-    assert not native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 24, 2, 232448)
-    assert native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 24, 132, 232448)
+    assert not native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 2, 232448)
+    assert native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 132, 232448)
 
 
 def test_lowering_ffi_for_cuda():

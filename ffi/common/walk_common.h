@@ -19,14 +19,9 @@ namespace jax_markov {
 constexpr uint32_t kDraftStream = 0x40000000u;
 
 MARKOV_HD void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
-#if defined(__CUDA_ARCH__)
-  *hi = __umulhi(a, b);
-  *lo = a * b;
-#else
   const uint64_t p = static_cast<uint64_t>(a) * b;
   *hi = static_cast<uint32_t>(p >> 32);
   *lo = static_cast<uint32_t>(p);
-#endif
 }
 
 // First output words of Philox4x32-10 (Random123) for N independent inputs: counter (c0[i], c1[i],
