@@ -217,11 +217,11 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
 }  // namespace
 }  // namespace walk
 
-bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, const DeviceProperties& props) {
+bool LaunchTakesTransposed(int batch, int vocab, const std::string& w1_dtype, bool logits_out, const DeviceProperties& props) {
   walk::WalkArgs args{};
   args.batch = batch;
   args.vocab = vocab;
-  args.sampling = sampling;
+  args.w1_dtype = w1_dtype == "float32" ? walk::kF32 : w1_dtype == "bfloat16" ? walk::kBF16 : walk::kF16;
   // Only whether logits go out matters (any pointer); base logits and logits are taken as aligned, as
   // XLA allocates them (nullptr is; so is this 16-byte aligned stand-in).
   alignas(16) static char logits_sentinel = 0;

@@ -9,10 +9,13 @@ namespace walk {
 
 // Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
 // caller), 17-64 requests (above MarkovWalkKernel's direct exchange), V % 8 == 0 and base logits and
-// logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16).
+// logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16). Logits go out
+// of it only for a bf16 W1: its two int8 digits of e keep 15 bits below e's largest element, all the
+// bits of a bf16 element but its smallest ones, while most fp16 and fp32 elements lose some, and their
+// logits then err by about 1e-4 of the bias (MarkovWalkKernel's hi + lo columns keep 22 bits).
 inline bool WalksTransposed(const WalkArgs& a) {
   return a.batch > kDirectBatch && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.logits) % 16 == 0;
+         reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && (a.logits == nullptr || a.w1_dtype == kBF16);
 }
 
 // Whether MarkovWalkTransposedKernel walks this launch on this GPU: WalksTransposed and its fixed

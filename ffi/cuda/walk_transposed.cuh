@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     int best_row[kRequests];
     float unscale_of[kRequests];
     size_t base_offset[kRequests];  // also the logits' (both [B, K, V])
-    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one
+    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one or one past the batch
     uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // kSampledWalk: its Philox key and counter
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
       if constexpr (WALK == kSampledWalk) {
         const float temp = a.temperature[rq];
-        inv_t[r] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
+        inv_t[r] = a.sampling && temp > 0.0f && RequestOf(r) < batch ? 1.0f / temp : 0.0f;
         key0[r] = a.key[2 * rq];
         key1[r] = a.key[2 * rq + 1];
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
