@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
                 v[c] = uint32_t(thread_row0 + 2 * j + c);
                 p[c] = position[r];
               }
-              GumbelNoise<4>(k0, k1, v, p, gumbel);
+              GumbelNoise<4, true>(k0, k1, v, p, gumbel);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
