@@ -76,8 +76,7 @@ def cuda_columns_per_request(w1_dtype, w2_dtype) -> int:
     return 2 if w1_dtype == np.dtype(np.float32) else 1
 
 
-def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, sampling: bool = False,
-                             logits_out: bool = False) -> list[bool]:
+def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, logits_out: bool = False) -> list[bool]:
     """For each launch of a CUDA walk over int8 W2 (a batch walks in chunks of CUDA_LAUNCH_COLUMNS
     columns): whether it runs the transposed kernel (ffi/cuda/walk_transposed.cuh) rather than
     MarkovWalkKernel on this machine's GPU (an H100/H200 where none can be asked), base logits being
@@ -86,9 +85,8 @@ def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, sampling: bool
         raise RuntimeError("the jax_markov CUDA module is not built")
     props = _gpu_properties()
     per_launch = CUDA_LAUNCH_COLUMNS // cuda_columns_per_request(w1_dtype, np.int8)
-    widest = min(per_launch, batch)
-    return [bool(_markov_cuda.launch_takes_transposed(min(per_launch, batch - b0), vocab, sampling, logits_out, widest,
-                                                      props["sm_count"], props["smem_per_block"]))
+    return [bool(_markov_cuda.launch_takes_transposed(min(per_launch, batch - b0), vocab, np.dtype(w1_dtype).name,
+                                                      logits_out, props["sm_count"], props["smem_per_block"]))
             for b0 in range(0, batch, per_launch)]
 
 

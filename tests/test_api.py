@@ -478,13 +478,13 @@ def test_lowering_float_heads_for_cuda():
 
 def test_which_launches_take_the_transposed_kernel():
     """Launches of 17-64 requests over int8 W2 with V % 8 == 0 take the transposed kernel, greedy or
-    with logits out, and sampled where the call gets noise scratch (its widest launch's noise does not
-    fit in shared memory); fp32 W1 walks 32 requests a launch; everything else takes MarkovWalkKernel.
+    sampled, with logits out only for a bf16 W1 (the precision of its logits); fp32 W1 walks 32
+    requests a launch; everything else takes MarkovWalkKernel.
     (The GPU tests assert this of their cases, so that a case meant for one kernel cannot drift to
     the other unseen.)"""
     if not native.cuda_available():
         pytest.skip("the CUDA module is not built")
-    bf16, f32 = jnp.bfloat16, jnp.float32
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
     assert native.cuda_transposed_launches(17, 151936, bf16) == [True]
     assert native.cuda_transposed_launches(64, 151936, bf16) == [True]
     assert native.cuda_transposed_launches(16, 151936, bf16) == [False]
@@ -494,21 +494,17 @@ def test_which_launches_take_the_transposed_kernel():
     assert native.cuda_transposed_launches(40, 151936, f32) == [True, False]  # 32 + 8
     for vocab in (20010, 20011, 20004):  # V % 8 != 0
         assert native.cuda_transposed_launches(24, vocab, bf16) == [False]
-    assert native.cuda_transposed_launches(24, 151936, bf16, sampling=True) == [True]
     assert native.cuda_transposed_launches(24, 151936, bf16, logits_out=True) == [True]
-    assert native.cuda_transposed_launches(64, 151936, bf16, sampling=True, logits_out=True) == [True]
-    assert native.cuda_transposed_launches(16, 151936, bf16, sampling=True) == [False]
-    # At V = 20008 a CTA holds 160 rows: the noise of up to 38 requests fits in shared memory (24 KB),
-    # so a call of 24 gets no noise scratch and its sampled launch takes MarkovWalkKernel; 40 do get it.
-    assert native.cuda_transposed_launches(24, 20008, bf16, sampling=True) == [False]
-    assert native.cuda_transposed_launches(24, 20008, bf16, logits_out=True) == [True]
-    assert native.cuda_transposed_launches(40, 20008, bf16, sampling=True) == [True]
-    # 64 + 20: the widest launch decides the scratch, which the narrower one then uses too.
-    assert native.cuda_transposed_launches(84, 20008, bf16, sampling=True) == [True, True]
-    assert native.cuda_transposed_launches(24, 20010, bf16, sampling=True) == [False]  # V % 8 != 0
+    assert native.cuda_transposed_launches(64, 151936, bf16, logits_out=True) == [True]
+    assert native.cuda_transposed_launches(16, 151936, bf16, logits_out=True) == [False]
+    assert native.cuda_transposed_launches(84, 20008, bf16, logits_out=True) == [True, True]  # 64 + 20
+    assert native.cuda_transposed_launches(24, 20010, bf16, logits_out=True) == [False]  # V % 8 != 0
+    assert native.cuda_transposed_launches(24, 151936, f16) == [True]
+    assert native.cuda_transposed_launches(24, 151936, f16, logits_out=True) == [False]
+    assert native.cuda_transposed_launches(64, 151936, f32, logits_out=True) == [False, False]
     # A GPU whose shared memory cannot hold the kernel's fixed part (2 SMs: 1187 tiles a CTA).
-    assert not native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 24, 2, 232448)
-    assert native._markov_cuda.launch_takes_transposed(24, 151936, False, False, 24, 132, 232448)
+    assert not native._markov_cuda.launch_takes_transposed(24, 151936, "bfloat16", False, 2, 232448)
+    assert native._markov_cuda.launch_takes_transposed(24, 151936, "bfloat16", False, 132, 232448)
 
 
 def test_lowering_ffi_for_cuda():

@@ -106,12 +106,12 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 
 
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
-# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. Batches of
-# 9 or more whose noise does not fit in shared memory have all of it made before the walk, by
-# MarkovWalkNoise; with 17-64 requests and V % 8 == 0 the transposed kernel then walks (its GENERAL
-# instantiation: packed at 24, not at 40 and 48; the last tile half outside V = 100008 and 60008),
-# as it does the mixed benchmark shapes at B = 64. At V = 8000 the noise of 40 requests fits in shared
-# memory: MarkovWalkKernel, its f32 logits staged in shared memory.
+# step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. With 17-64
+# requests and V % 8 == 0 the transposed kernel walks and makes the noise in its epilogue (packed at
+# 24, not at 40 and 48; the last tile half outside V = 100008 and 60008), as it does for the mixed
+# benchmark shapes at B = 64. Otherwise batches of 9 or more whose noise does not fit in shared
+# memory have it made before the walk by MarkovWalkNoise (the mixed benchmark shape at B = 16); at
+# V = 8003 the noise of 40 requests fits in shared memory (MarkovWalkKernel's wgmma kernel fills it).
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
@@ -119,12 +119,12 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
     (2, 16, 248320, jnp.bfloat16, jnp.float32),
     (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32),
     (24, 5, 100008, jnp.float16, jnp.bfloat16), (48, 3, 60008, jnp.float32, jnp.float16),
-    (40, 3, 8000, jnp.bfloat16, jnp.float32)])
+    (40, 3, 8003, jnp.bfloat16, jnp.float32)])
 def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dtype):
     rng = np.random.default_rng(hash((batch, steps, vocab, str(base_dtype), str(logits_dtype))) % 2**32)
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)
-    transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, sampling=True, logits_out=True)
-    assert transposed == [batch > 16 and vocab % 8 == 0 and vocab != 8000], transposed
+    transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=True)
+    assert transposed == [batch > 16 and vocab % 8 == 0], transposed
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 
@@ -169,13 +169,13 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 
 
 # 16-bit logits go out 16 bytes a store where V % 8 == 0 (40008 and 100008 end in a half tile): through
-# shared memory in MarkovWalkKernel (3, 8, 16 requests; 40 sampled at V = 8000, whose noise fits in
-# shared memory), from registers in the transposed kernel (40 mixed and 64 greedy); one value a store
-# otherwise (40009, 100003). 24, 40 and 48 sampled requests at V = 100003 and 100008 read their noise
-# from MarkovWalkNoise (V odd and even; at 48 requests and odd V in the general epilogue).
+# shared memory in MarkovWalkKernel (3, 8, 16 requests), from registers in the transposed kernel (40
+# mixed and 64 greedy); one value a store otherwise (40009, 100003). 24 and 48 sampled requests at
+# V = 100003 read their noise from MarkovWalkNoise (at 48 in the general epilogue); 40 at V = 100008
+# make it in the transposed kernel.
 @pytest.mark.parametrize("batch,vocab,mode", [(3, 40008, "sampled"), (8, 40009, "sampled"), (16, 40008, "greedy"),
                                               (24, 100003, "mixed"), (40, 100008, "mixed"), (48, 100003, "mixed"),
-                                              (64, 40008, "greedy"), (40, 8000, "sampled")])
+                                              (64, 40008, "greedy")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
 def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
     rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)
@@ -185,12 +185,17 @@ def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
 
 # One launch walks 64 columns (32 requests with fp32 W1); wider batches walk in chunks, the last
 # one partial. At V = 20000 a CTA's 10 tiles leave some warps of a warpgroup a tile short: the wgmma
-# kernels' idle-warp iterations.
-@pytest.mark.parametrize("batch,w1_dtype", [(64, jnp.float32), (100, jnp.float32), (130, jnp.bfloat16),
-                                            (256, jnp.bfloat16)])
+# kernels' idle-warp iterations. With logits out, launches of more than 16 requests take the transposed
+# kernel for a bf16 W1 only; fp32 and fp16 W1 keep MarkovWalkKernel, whose logits hold the tolerance.
+@pytest.mark.parametrize("batch,w1_dtype", [(64, jnp.float32), (100, jnp.float32), (40, jnp.float16),
+                                            (130, jnp.bfloat16), (256, jnp.bfloat16)])
 def test_batches_beyond_one_launch(check_parity, batch, w1_dtype):
     rng = np.random.default_rng(batch)
     base, anchor, head, kw = make_case(rng, batch, 3, 20000, w1_dtype=w1_dtype, mixed=True)
+    transposed = native.cuda_transposed_launches(batch, 20000, w1_dtype, logits_out=True)
+    per_launch = 32 if w1_dtype == jnp.float32 else 64
+    assert transposed == [w1_dtype == jnp.bfloat16 and min(per_launch, batch - b0) > 16
+                          for b0 in range(0, batch, per_launch)], transposed
     check_parity(base, anchor, head, kw)
 
 
@@ -232,8 +237,8 @@ def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, 
     np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
 
 
-# 6 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 40 read their noise
-# from MarkovWalkNoise.
+# 6 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 24 and 40 walk in the
+# transposed kernel (V % 8 == 0), which makes their noise itself.
 @pytest.mark.parametrize("batch", [6, 24, 40])
 def test_padding_d2t_logit_scale(check_parity, batch):
     rng = np.random.default_rng(3 + batch)

@@ -18,21 +18,29 @@ namespace jax_markov {
 // Counter word 2 of the draft noise stream (SPEC.md): keeps it apart from acceptance/resampling.
 constexpr uint32_t kDraftStream = 0x40000000u;
 
+// The hi and lo words of a x b. On the device WIDE makes it one 32 x 32 -> 64-bit multiply, which
+// ptxas emits as IMAD.WIDE.U32, and otherwise __umulhi and a low multiply, which it often splits into
+// IMAD.HI + IMAD: the transposed kernel's sampled epilogue, bound by these multiplies, issues 10 %
+// fewer instructions WIDE, while MarkovWalkKernel's bf16-W2 kernel of 64 columns then spills 104 bytes
+// (32 split) and its B = 64 walks took 15 % longer on the H200 (benchmarks/NOTES.md, Session 19).
+template <bool WIDE>
 MARKOV_HD void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
 #if defined(__CUDA_ARCH__)
-  *hi = __umulhi(a, b);
-  *lo = a * b;
-#else
+  if constexpr (!WIDE) {
+    *hi = __umulhi(a, b);
+    *lo = a * b;
+    return;
+  }
+#endif
   const uint64_t p = static_cast<uint64_t>(a) * b;
   *hi = static_cast<uint32_t>(p >> 32);
   *lo = static_cast<uint32_t>(p);
-#endif
 }
 
 // First output words of Philox4x32-10 (Random123) for N independent inputs: counter (c0[i], c1[i],
 // c2, 0) and key (k0[i], k1[i]), the result in c0[i]. The rounds run in lockstep over the N inputs,
-// so that the compiler sees N independent chains of dependent multiplies side by side.
-template <int N>
+// so that the compiler sees N independent chains of dependent multiplies side by side (WIDE: see MulHiLo).
+template <int N, bool WIDE>
 MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], uint32_t c2_in, const uint32_t (&k0_in)[N],
                                const uint32_t (&k1_in)[N]) {
   uint32_t c1[N], c2[N], c3[N], k0[N], k1[N];
@@ -49,8 +57,8 @@ MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], ui
     MARKOV_UNROLL
     for (int i = 0; i < N; ++i) {
       uint32_t hi0, lo0, hi1, lo1;
-      MulHiLo(0xD2511F53u, c0[i], &hi0, &lo0);
-      MulHiLo(0xCD9E8D57u, c2[i], &hi1, &lo1);
+      MulHiLo<WIDE>(0xD2511F53u, c0[i], &hi0, &lo0);
+      MulHiLo<WIDE>(0xCD9E8D57u, c2[i], &hi1, &lo1);
       const uint32_t n0 = hi1 ^ c1[i] ^ k0[i], n2 = hi0 ^ c3[i] ^ k1[i];
       c0[i] = n0;
       c1[i] = lo1;
@@ -63,14 +71,14 @@ MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], ui
 }
 
 // g(v) = -log(-log(u)), u = (float(x >> 9) + 0.5) * 2^-23, x = Philox word 0 at (v, position, stream, 0),
-// for N independent (key, v, position) at once (see Philox4x32Word0).
-template <int N>
+// for N independent (key, v, position) at once (see Philox4x32Word0; WIDE: see MulHiLo).
+template <int N, bool WIDE = false>
 MARKOV_HD void GumbelNoise(const uint32_t (&k0)[N], const uint32_t (&k1)[N], const uint32_t (&v)[N],
                            const uint32_t (&position)[N], float (&g)[N]) {
   uint32_t x[N];
   MARKOV_UNROLL
   for (int i = 0; i < N; ++i) x[i] = v[i];
-  Philox4x32Word0<N>(x, position, kDraftStream, k0, k1);
+  Philox4x32Word0<N, WIDE>(x, position, kDraftStream, k0, k1);
   MARKOV_UNROLL
   for (int i = 0; i < N; ++i) {
     const float u = (static_cast<float>(x[i] >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23

@@ -173,18 +173,7 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   const int64_t chunk = split ? kMaxBatch / 2 : kMaxBatch;
   const int base_esize = base_dtype == kF32 ? 4 : 2, w1_esize = w1_dtype == kF32 ? 4 : 2;
   const int logits_esize = logits_dtype == kF32 ? 4 : 2;
-  // Sampled batches get their noise from MarkovWalkNoise where WantsNoiseBuffer, in scratch that XLA
-  // lends for this call ([K, ceil(V / 16), widest launch, 16] floats, reused by every launch in stream
-  // order). Without it (the allocation failed) MarkovWalkKernel walks and computes the noise itself,
-  // slower.
-  float* noise_buffer = nullptr;
-  const int64_t widest = std::min(chunk, batch);
-  if (WantsNoiseBuffer(sampling, int(widest), int(vocab), props.sm_count)) {
-    const size_t tiles = (vocab + kTileRows - 1) / kTileRows;
-    const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * tiles * kTileRows * sizeof(float), 16);
-    if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
-  }
-  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+  const auto Part = [&](int64_t b0) {
     WalkArgs part = args;
     part.batch = int(std::min(chunk, batch - b0));
     part.base = static_cast<const char*>(args.base) + b0 * steps * vocab * base_esize;
@@ -195,6 +184,25 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
     part.tokens = args.tokens + b0 * steps;
     if (want_logits) part.logits = static_cast<char*>(args.logits) + b0 * steps * vocab * logits_esize;
     if (want_embeds) part.embeds = static_cast<char*>(args.embeds) + b0 * steps * kRank * w1_esize;
+    return part;
+  };
+  // Sampled launches of MarkovWalkKernel get their noise from MarkovWalkNoise where WantsNoiseBuffer,
+  // in scratch that XLA lends for this call ([K, ceil(V / 16), widest such launch, 16] floats, reused
+  // by every launch in stream order); the transposed kernel makes its own. Without it (the allocation
+  // failed) MarkovWalkKernel computes the noise itself, slower.
+  int64_t widest = 0;
+  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+    const WalkArgs part = Part(b0);
+    if (!(int8 && TakesTransposed(part, props))) widest = std::max<int64_t>(widest, part.batch);
+  }
+  float* noise_buffer = nullptr;
+  if (WantsNoiseBuffer(sampling, int(widest), int(vocab), props.sm_count)) {
+    const size_t tiles = (vocab + kTileRows - 1) / kTileRows;
+    const std::optional<void*> mem = scratch.Allocate(size_t(widest) * steps * tiles * kTileRows * sizeof(float), 16);
+    if (mem.has_value()) noise_buffer = static_cast<float*>(*mem);
+  }
+  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+    const WalkArgs part = Part(b0);
     const int columns = split ? 2 * part.batch : part.batch;
     const ffi::Error err =
         int8 ? LaunchForColumns<kW2Int8>(split, columns, stream, device, props, part, noise_buffer)
@@ -209,16 +217,16 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
 }  // namespace
 }  // namespace walk
 
-bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, int widest, const DeviceProperties& props) {
+bool LaunchTakesTransposed(int batch, int vocab, const std::string& w1_dtype, bool logits_out, const DeviceProperties& props) {
   walk::WalkArgs args{};
   args.batch = batch;
   args.vocab = vocab;
-  args.sampling = sampling;
+  args.w1_dtype = w1_dtype == "float32" ? walk::kF32 : w1_dtype == "bfloat16" ? walk::kBF16 : walk::kF16;
   // Only whether logits go out matters (any pointer); base logits and logits are taken as aligned, as
   // XLA allocates them (nullptr is; so is this 16-byte aligned stand-in).
   alignas(16) static char logits_sentinel = 0;
   args.logits = logits_out ? &logits_sentinel : nullptr;
-  return walk::TakesTransposed(args, walk::WantsNoiseBuffer(sampling, widest, vocab, props.sm_count), props);
+  return walk::TakesTransposed(args, props);
 }
 
 #ifdef JAX_MARKOV_TIMELINE

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -21,12 +22,11 @@ struct DeviceProperties {
 // Cached per device ordinal.
 cudaError_t QueryDeviceProperties(int device, DeviceProperties* out);
 
-// Whether one launch of `batch` requests (at most one launch's worth) over int8 W2 of `vocab` rows,
-// with 16-byte aligned base logits and logits, in a call whose widest launch walks `widest` requests
-// (which decides whether a sampled call gets noise scratch), runs MarkovWalkTransposedKernel on a GPU
-// with these properties (rather than MarkovWalkKernel). Needs no GPU: tests use it to know which
-// kernel a case exercises.
-bool LaunchTakesTransposed(int batch, int vocab, bool sampling, bool logits_out, int widest, const DeviceProperties& props);
+// Whether one launch of `batch` requests (at most one launch's worth) over int8 W2 of `vocab` rows
+// and W1 of `w1_dtype` ("float32", "bfloat16" or "float16"), with 16-byte aligned base logits and
+// logits, runs MarkovWalkTransposedKernel on a GPU with these properties (rather than
+// MarkovWalkKernel). Needs no GPU: tests use it to know which kernel a case exercises.
+bool LaunchTakesTransposed(int batch, int vocab, const std::string& w1_dtype, bool logits_out, const DeviceProperties& props);
 
 #ifdef JAX_MARKOV_TIMELINE
 // Timeline builds: the latest launch's stamps (walk_kernel.cuh: kPhases per CTA and step, then the

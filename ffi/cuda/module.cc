@@ -30,16 +30,15 @@ NB_MODULE(_markov_cuda, m) {
       nb::arg("ordinal"), "Properties of CUDA device `ordinal` that decide whether the kernel runs there.");
   m.def(
       "launch_takes_transposed",
-      [](int batch, int vocab, bool sampling, bool logits_out, int widest, int sm_count, int smem_per_block) {
+      [](int batch, int vocab, const std::string& w1_dtype, bool logits_out, int sm_count, int smem_per_block) {
         jax_markov::DeviceProperties p;
         p.sm_count = sm_count;
         p.smem_per_block = smem_per_block;
-        return jax_markov::LaunchTakesTransposed(batch, vocab, sampling, logits_out, widest, p);
+        return jax_markov::LaunchTakesTransposed(batch, vocab, w1_dtype, logits_out, p);
       },
-      nb::arg("batch"), nb::arg("vocab"), nb::arg("sampling"), nb::arg("logits_out"), nb::arg("widest"),
-      nb::arg("sm_count"), nb::arg("smem_per_block"),
-      "Whether one launch of `batch` requests over int8 W2, in a call whose widest launch walks `widest`, "
-      "runs the transposed kernel (needs no GPU).");
+      nb::arg("batch"), nb::arg("vocab"), nb::arg("w1_dtype"), nb::arg("logits_out"), nb::arg("sm_count"),
+      nb::arg("smem_per_block"),
+      "Whether one launch of `batch` requests over int8 W2 runs the transposed kernel (needs no GPU).");
   m.def(
       "measure_design_constants",
       [](int ordinal) {

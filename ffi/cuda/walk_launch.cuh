@@ -9,22 +9,24 @@ namespace walk {
 
 // Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
 // caller), 17-64 requests (above MarkovWalkKernel's direct exchange), V % 8 == 0 and base logits and
-// logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16), and, if it
-// samples, the call's noise scratch to make the noise in first (MarkovWalkNoise).
-inline bool WalksTransposed(const WalkArgs& a, bool has_noise_buffer) {
-  return a.batch > kDirectBatch && a.batch <= kMaxBatch && (!a.sampling || has_noise_buffer) && a.vocab % 8 == 0 &&
-         reinterpret_cast<uintptr_t>(a.base) % 16 == 0 && reinterpret_cast<uintptr_t>(a.logits) % 16 == 0;
+// logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16). Logits go out
+// of it only for a bf16 W1: its two int8 digits of e keep 15 bits below e's largest element, all the
+// bits of a bf16 element but its smallest ones, while most fp16 and fp32 elements lose some (an fp32
+// W1's logits came out up to 3.3e-5 off the reference on the H200, past the tests' 2e-5; the hi + lo
+// columns of MarkovWalkKernel keep them within it).
+inline bool WalksTransposed(const WalkArgs& a) {
+  return a.batch > kDirectBatch && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && (a.logits == nullptr || a.w1_dtype == kBF16);
 }
 
 // Whether MarkovWalkTransposedKernel walks this launch on this GPU: WalksTransposed and its fixed
 // shared memory fits (else LaunchTransposed declines and MarkovWalkKernel walks).
-bool TakesTransposed(const WalkArgs& args, bool has_noise_buffer, const DeviceProperties& props);
+bool TakesTransposed(const WalkArgs& args, const DeviceProperties& props);
 
-// One launch of MarkovWalkTransposedKernel where WalksTransposed holds (walk_launch_transposed.cu),
-// after MarkovWalkNoise's into `noise_buffer` if it samples. *launched is false where the CTA's fixed
-// shared memory does not fit: the caller takes MarkovWalkKernel then.
-ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args,
-                            float* noise_buffer, bool* launched);
+// One launch of MarkovWalkTransposedKernel where WalksTransposed holds (walk_launch_transposed.cu).
+// *launched is false where the CTA's fixed shared memory does not fit: the caller takes
+// MarkovWalkKernel then.
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched);
 
 // One launch for `columns` B columns (a request each; two with SPLIT) of W2 format W2. Each
 // format's instantiation lives in its own translation unit (walk_launch_*.cu), compiled in parallel.
@@ -33,9 +35,9 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
                             const WalkArgs& args, float* noise_buffer) {
   if constexpr (W2 == kW2Int8) {
     if (args.batch <= 2) return Launch<1, false, true, kW2Int8>(stream, device, props, args, noise_buffer);
-    if (WalksTransposed(args, noise_buffer != nullptr)) {
+    if (WalksTransposed(args)) {
       bool launched = false;
-      const ffi::Error err = LaunchTransposed(stream, device, props, args, noise_buffer, &launched);
+      const ffi::Error err = LaunchTransposed(stream, device, props, args, &launched);
       if (err.failure() || launched) return err;
     }
   }

@@ -7,44 +7,38 @@ namespace walk {
 
 namespace {
 
-// The shared memory of a layout's CTA that is not resident W2 tiles.
-int FixedBytes(bool packed, int vocab, int sm_count) {
+// The 64-row tiles of W2 that each of `grid` CTAs scores.
+int TilesPerCta(int vocab, int grid) {
   const int total_tiles = (vocab + kTransposedTileRows - 1) / kTransposedTileRows;
-  const int rows_per_cta = (total_tiles + sm_count - 1) / sm_count * kTransposedTileRows;
+  return (total_tiles + grid - 1) / grid;
+}
+
+// The shared memory of a layout's CTA that is not resident W2 tiles.
+int FixedBytes(bool packed, int tiles_per_cta) {
+  const int rows_per_cta = tiles_per_cta * kTransposedTileRows;
   return packed ? TransposedSmem<true>::FixedBytes(rows_per_cta) : TransposedSmem<false>::FixedBytes(rows_per_cta);
 }
 
 template <int BASE, bool PACKED>
-auto KernelFor(bool general) {
-  return general ? MarkovWalkTransposedKernel<BASE, PACKED, true> : MarkovWalkTransposedKernel<BASE, PACKED, false>;
+auto KernelFor(const WalkArgs& args) {
+  if (args.sampling) return MarkovWalkTransposedKernel<BASE, PACKED, kSampledWalk>;
+  return args.logits != nullptr ? MarkovWalkTransposedKernel<BASE, PACKED, kLogitsWalk> : MarkovWalkTransposedKernel<BASE, PACKED, kPlainWalk>;
 }
 
 template <bool PACKED>
-ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer,
-                        bool* launched) {
+ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
   *launched = false;
   const int grid = props.sm_count;
-  const int total_tiles = (args.vocab + kTransposedTileRows - 1) / kTransposedTileRows;
-  args.tiles_per_cta = (total_tiles + grid - 1) / grid;
-  const int fixed = FixedBytes(PACKED, args.vocab, grid);
+  args.tiles_per_cta = TilesPerCta(args.vocab, grid);
+  const int fixed = FixedBytes(PACKED, args.tiles_per_cta);
   if (fixed > props.smem_per_block) return ffi::Error::Success();
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
   const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
-  // Sampled walks and walks with logits out take the GENERAL kernel.
-  const bool general = args.sampling || args.logits != nullptr;
-  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(general)
-                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(general)
-                                           : KernelFor<kF16, PACKED>(general);
+  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(args)
+                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(args)
+                                           : KernelFor<kF16, PACKED>(args);
   const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
-  args.noise = nullptr;
-  if (args.sampling) {
-    const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
-    MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
-    args.noise = noise_buffer;
-  }
   void* params[] = {&args};
   const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);
@@ -54,15 +48,14 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
 
 }  // namespace
 
-bool TakesTransposed(const WalkArgs& args, bool has_noise_buffer, const DeviceProperties& props) {
-  return WalksTransposed(args, has_noise_buffer) && FixedBytes(args.batch <= 32, args.vocab, props.sm_count) <= props.smem_per_block;
+bool TakesTransposed(const WalkArgs& args, const DeviceProperties& props) {
+  return WalksTransposed(args) && FixedBytes(args.batch <= 32, TilesPerCta(args.vocab, props.sm_count)) <= props.smem_per_block;
 }
 
 // Up to 32 requests take the packed layout (one A operand for both digits).
-ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args,
-                            float* noise_buffer, bool* launched) {
-  return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, noise_buffer, launched)
-                          : LaunchLayout<false>(stream, device, props, args, noise_buffer, launched);
+ffi::Error LaunchTransposed(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, bool* launched) {
+  return args.batch <= 32 ? LaunchLayout<true>(stream, device, props, args, launched)
+                          : LaunchLayout<false>(stream, device, props, args, launched);
 }
 
 }  // namespace walk

@@ -1,7 +1,7 @@
 // The transposed walk kernel: walks of 17 to 64 requests over int8 W2 (see walk_kernel.cuh for the
 // walk it shares its exchange and helpers with). Greedy walks with no logits out take the plain
-// instantiation; sampled walks (their noise made first by MarkovWalkNoise) and walks with logits out
-// take the GENERAL one.
+// instantiation (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
+// (kLogitsWalk, kSampledWalk).
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
@@ -22,13 +22,12 @@
 //   of the tile, so its base logits are one 32-byte run a request (two 16-byte loads in bf16, whole
 //   sectors) instead of eight 4-byte loads that each used half a sector; it still meets its rows in
 //   increasing order.
-// - GENERAL: l is rounded to the logits dtype before it is chosen from (one copy of the epilogue per
+// - The general epilogue: l is rounded to the logits dtype before it is chosen from (one copy of the epilogue per
 //   dtype, picked once a tile) and a thread stores its 16 rows of a request 16 bytes at a time; a
-//   sampled request scores l / T + g, g read from MarkovWalkNoise's [K][V / 16][B][16] floats, where a
-//   thread's 16 rows of a request are one 64-byte run. PACKED loads a tile's noise with its base
-//   logits, before the MMAs; otherwise (two requests a thread: no registers for both requests' base
-//   and noise across the MMAs) request 0's go out before the MMAs' wait and request 1's after request
-//   0's epilogue, and the warpgroup's next tile's noise is asked of L2 a tile ahead.
+//   sampled request scores l / T + g, its Gumbel noise computed in the epilogue, four rows at a time
+//   (Philox chains in lockstep). Reading it from a kernel of its own (MarkovWalkNoise, v39) cost that
+//   kernel's 311 us and the walk 39 MB of HBM reads a step at V = 151936, B = 64; computed here, the
+//   integer multiplies take the issue slots that the walk's latencies leave idle.
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
 //   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
 //   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
@@ -139,21 +138,6 @@ __device__ __forceinline__ float BasePairValue(const BasePairBits<BASE>& bits, i
   }
 }
 
-// A thread's 16 Gumbel noise values of one request (rows row .. row + 15, row % 16 == 0) from
-// MarkovWalkNoise's [K][ceil(V / 16)][B][16] floats: one 64-byte run; zeros where `sampled` is false.
-// Not loaded for row >= V (past the buffer); rows in [V, row + 16) read values never written, and
-// score -inf.
-__device__ __forceinline__ const uint4* ThreadNoise(const WalkArgs& a, int k, int row, int rq) {
-  const size_t tiles = (a.vocab + kTileRows - 1) / kTileRows;
-  return reinterpret_cast<const uint4*>(a.noise + ((size_t(k) * tiles + row / kTileRows) * a.batch + rq) * kTileRows);
-}
-__device__ __forceinline__ void LoadThreadNoise(const WalkArgs& a, bool sampled, int k, int row, int rq, uint4 (&noise)[4]) {
-  const uint4* src = ThreadNoise(a, k, row, rq);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) noise[q] = sampled && row < a.vocab ? __ldcs(src + q) : make_uint4(0, 0, 0, 0);
-}
-__device__ __forceinline__ float NoiseValue(const uint4 (&noise)[4], int i) { return __uint_as_float(Word(noise[i / 4], i % 4)); }
-
 // A thread's 16 rounded logits of one request (rows row .. row + 15; `bits`: 32-bit words, two 16-bit
 // values each or one f32) at element `offset` of the logits' rows, 16 bytes a store; a vector at or past
 // V (V % 8 == 0: wholly past it) is not stored.
@@ -182,16 +166,22 @@ struct TransposedSmem {
 };
 static_assert(TransposedSmem<false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 
-template <int BASE, bool PACKED, bool GENERAL>
+// What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
+// logits out (greedy), or sampling (and logits out if asked). Each is its own instantiation: the
+// noise's code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2 };
+
+template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+  constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
   using Layout = TransposedSmem<PACKED>;
   constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
-  // Requests whose base logits (and noise) a thread loads before the MMAs: GENERAL without PACKED loads
-  // request 1's after request 0's epilogue.
-  constexpr int kEarly = GENERAL && !PACKED ? 1 : kRequests;
+  // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
+  // request 1's once the accumulators are turned into floats (registers for the noise's chains).
+  constexpr int kEarly = WALK == kSampledWalk && !PACKED ? 1 : kRequests;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
@@ -205,7 +195,6 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, u = tid & 127;
   const int w = warp & 3, g = lane >> 2, t = lane & 3;
   const int batch = a.batch, steps = a.steps, vocab = a.vocab;
-  const bool sampled = GENERAL && a.noise != nullptr;  // MarkovWalkNoise made the sampled requests' noise
   const int first_tile = blockIdx.x * a.tiles_per_cta;
   const int first_row = first_tile * kTransposedTileRows;
   const int total_tiles = (vocab + kTransposedTileRows - 1) / kTransposedTileRows;
@@ -294,7 +283,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     int best_row[kRequests];
     float unscale_of[kRequests];
     size_t base_offset[kRequests];  // also the logits' (both [B, K, V])
-    float inv_t[kRequests];  // GENERAL: 1 / T of a sampled request, 0 for a greedy one
+    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one or one past the batch
+    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // kSampledWalk: its Philox key and counter
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
       best_value[r] = -INFINITY;
@@ -302,32 +292,23 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
-      if constexpr (GENERAL) {
+      if constexpr (WALK == kSampledWalk) {
         const float temp = a.temperature[rq];
-        inv_t[r] = sampled && temp > 0.0f ? 1.0f / temp : 0.0f;
+        inv_t[r] = a.sampling && temp > 0.0f && RequestOf(r) < batch ? 1.0f / temp : 0.0f;
+        key0[r] = a.key[2 * rq];
+        key1[r] = a.key[2 * rq + 1];
+        position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
     for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
       const int row0 = RowOf(i);
-      // The tile's base logits (and noise) of this thread's rows, loaded while the MMAs run.
+      // The tile's base logits of this thread's rows, loaded while the MMAs run.
       const int thread_row0 = row0 + 16 * t;
       const bool whole = row0 + kTransposedTileRows <= vocab;
       BasePairBits<BASE> base[kEarly][8];
-      uint4 noise[kEarly][4];
       if (!warp_idle) {
 #pragma unroll
-        for (int r = 0; r < kEarly; ++r) {
-          LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
-          if constexpr (GENERAL) LoadThreadNoise(a, sampled, k, thread_row0, min(RequestOf(r), batch - 1), noise[r]);
-        }
-        if (sampled && i + kTransposedWarpgroups < my_tiles) {
-          // The noise of the warpgroup's next tile, toward L2 (MarkovWalkNoise wrote it: it is in HBM).
-#pragma unroll
-          for (int r = 0; r < kRequests; ++r) {
-            const uint4* next = ThreadNoise(a, k, thread_row0 + kTransposedWarpgroups * kTransposedTileRows, min(RequestOf(r), batch - 1));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(next));
-          }
-        }
+        for (int r = 0; r < kEarly; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
@@ -362,17 +343,21 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       // at and past vocab_size (only a tile that reaches vocab_size checks). The rows of a thread come
       // in increasing order, so a strictly larger value (or the first NaN) replaces its best: the
       // lowest index wins ties, as SPEC.md's argmax.
+      // scale x dot of accumulator pair j's value e (request e / 2, row 2 j + e % 2 of the thread's 16):
+      // the digits' sums are (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
+      const auto ScaledDot = [&](int j, int e) {
+        const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
+        const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
+        const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
+        return (e % 2 ? sc.y : sc.x) * dot;
+      };
       const auto Epilogue = [&](auto partial) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
 #pragma unroll
           for (int e = 0; e < 2 * kRequests; ++e) {
             const int r = e / 2, row = thread_row0 + 2 * j + e % 2;
-            // The digits' sums: (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
-            const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
-            const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
-            float l = __fmaf_rn((e % 2 ? sc.y : sc.x) * dot, unscale_of[r], BasePairValue<BASE>(base[r][j], e % 2));
+            float l = __fmaf_rn(ScaledDot(j, e), unscale_of[r], BasePairValue<BASE>(base[r][j], e % 2));
             if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
             if (!(l <= best_value[r]) && best_value[r] == best_value[r]) {
               best_value[r] = l;
@@ -382,26 +367,43 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         }
       };
       // GENERAL: request r's l rounded to the logits dtype OUT (kNone: no logits out) and stored, and
-      // its score (sampled: l / T + g), from base[0] and noise[0] where r >= kEarly (loaded here).
+      // its score (sampled: l / T + g, g made here for rows 4 q .. 4 q + 3 at once), from base[r], or for
+      // r >= kEarly from `late` (loaded once the accumulators are floats, before request 0's noise).
       const auto GeneralEpilogue = [&](auto partial, auto out) {
         constexpr int kOut = decltype(out)::value;
+        // scale x dot of every value first: the digits' accumulators (64 registers unpacked) are free
+        // before the noise's chains need registers.
+        float scaled_dot[kRequests][16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2 * kRequests; ++e) scaled_dot[e / 2][2 * j + e % 2] = ScaledDot(j, e);
+        }
+        BasePairBits<BASE> late[8];
+        if constexpr (kEarly < kRequests) LoadThreadBase<BASE>(a, base_offset[kEarly], thread_row0, whole, late);
 #pragma unroll
         for (int r = 0; r < kRequests; ++r) {
-          const int early = r < kEarly ? r : 0;
-          if (r >= kEarly) {
-            LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[0]);
-            if constexpr (GENERAL) LoadThreadNoise(a, sampled, k, thread_row0, min(RequestOf(r), batch - 1), noise[0]);
-          }
+          const BasePairBits<BASE>(&base_r)[8] = r < kEarly ? base[r < kEarly ? r : 0] : late;
+          const bool sampled = WALK == kSampledWalk && inv_t[r] > 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
+          float gumbel[4];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
+            if (sampled && j % 2 == 0) {
+              uint32_t k0[4], k1[4], v[4], p[4];
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                k0[c] = key0[r];
+                k1[c] = key1[r];
+                v[c] = uint32_t(thread_row0 + 2 * j + c);
+                p[c] = position[r];
+              }
+              GumbelNoise<4, true>(k0, k1, v, p, gumbel);
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int e = 2 * r + h, row = thread_row0 + 2 * j + h;
-              const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
-              const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
-              float l = __fmaf_rn((h ? sc.y : sc.x) * dot, unscale_of[r], BasePairValue<BASE>(base[early][j], h));
+              const int row = thread_row0 + 2 * j + h;
+              float l = __fmaf_rn(scaled_dot[r][2 * j + h], unscale_of[r], BasePairValue<BASE>(base_r[j], h));
               if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
               if constexpr (kOut != kNone) {
                 uint32_t b;
@@ -412,8 +414,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
                   bits[j] = h ? bits[j] | (b << 16) : b;
                 }
               }
-              float score = inv_t[r] > 0.0f ? __fadd_rn(__fmul_rn(l, inv_t[r]), NoiseValue(noise[early], 2 * j + h)) : l;
-              if (decltype(partial)::value && row >= a.vocab_size) score = -INFINITY;  // whatever noise it read
+              const float score = sampled ? __fadd_rn(__fmul_rn(l, inv_t[r]), gumbel[2 * (j % 2) + h]) : l;
               if (!(score <= best_value[r]) && best_value[r] == best_value[r]) {
                 best_value[r] = score;
                 best_row[r] = row;
