@@ -505,6 +505,8 @@ def test_which_launches_take_the_transposed_kernel():
     # A GPU whose shared memory cannot hold the kernel's fixed part (2 SMs: 1187 tiles a CTA).
     assert not native._markov_cuda.launch_takes_transposed(24, 151936, "bfloat16", False, 2, 232448)
     assert native._markov_cuda.launch_takes_transposed(24, 151936, "bfloat16", False, 132, 232448)
+    with pytest.raises(ValueError, match="w1_dtype must be float32, bfloat16 or float16, got float64"):
+        native.cuda_transposed_launches(24, 151936, jnp.float64)
 
 
 def test_lowering_ffi_for_cuda():

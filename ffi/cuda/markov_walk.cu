@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -221,7 +222,15 @@ bool LaunchTakesTransposed(int batch, int vocab, const std::string& w1_dtype, bo
   walk::WalkArgs args{};
   args.batch = batch;
   args.vocab = vocab;
-  args.w1_dtype = w1_dtype == "float32" ? walk::kF32 : w1_dtype == "bfloat16" ? walk::kBF16 : walk::kF16;
+  if (w1_dtype == "float32") {
+    args.w1_dtype = walk::kF32;
+  } else if (w1_dtype == "bfloat16") {
+    args.w1_dtype = walk::kBF16;
+  } else if (w1_dtype == "float16") {
+    args.w1_dtype = walk::kF16;
+  } else {
+    throw std::invalid_argument("w1_dtype must be float32, bfloat16 or float16, got " + w1_dtype);
+  }
   // Only whether logits go out matters (any pointer); base logits and logits are taken as aligned, as
   // XLA allocates them (nullptr is; so is this 16-byte aligned stand-in).
   alignas(16) static char logits_sentinel = 0;

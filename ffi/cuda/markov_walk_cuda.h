@@ -25,7 +25,8 @@ cudaError_t QueryDeviceProperties(int device, DeviceProperties* out);
 // Whether one launch of `batch` requests (at most one launch's worth) over int8 W2 of `vocab` rows
 // and W1 of `w1_dtype` ("float32", "bfloat16" or "float16"), with 16-byte aligned base logits and
 // logits, runs MarkovWalkTransposedKernel on a GPU with these properties (rather than
-// MarkovWalkKernel). Needs no GPU: tests use it to know which kernel a case exercises.
+// MarkovWalkKernel). Needs no GPU: tests use it to know which kernel a case exercises. Throws
+// std::invalid_argument for another w1_dtype.
 bool LaunchTakesTransposed(int batch, int vocab, const std::string& w1_dtype, bool logits_out, const DeviceProperties& props);
 
 #ifdef JAX_MARKOV_TIMELINE
