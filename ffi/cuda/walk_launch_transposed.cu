@@ -21,13 +21,19 @@ int FixedBytes(bool packed, bool rotated, int tiles_per_cta) {
 }
 
 // Whether a layout's CTA fits at all, judged by its larger fixed part (unpacked: the rotated one), so
-// that which kernel a launch takes does not depend on whether it samples.
+// that which kernel a launch takes does not depend on whether it samples or on its batch.
 bool LayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
   return FixedBytes(packed, !packed, tiles_per_cta) <= props.smem_per_block;
 }
 
+// Whether a launch walks in DigitLayout's rotated order.
+bool Rotated(bool packed, const WalkArgs& args) { return !packed && args.sampling && args.batch <= kRotatedMaxBatch; }
+
 template <int BASE, bool PACKED>
 auto KernelFor(const WalkArgs& args) {
+  if constexpr (!PACKED) {
+    if (Rotated(PACKED, args)) return MarkovWalkTransposedKernel<BASE, PACKED, kRotatedSampledWalk>;
+  }
   if (args.sampling) return MarkovWalkTransposedKernel<BASE, PACKED, kSampledWalk>;
   return args.logits != nullptr ? MarkovWalkTransposedKernel<BASE, PACKED, kLogitsWalk> : MarkovWalkTransposedKernel<BASE, PACKED, kPlainWalk>;
 }
@@ -38,7 +44,7 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
   const int grid = props.sm_count;
   args.tiles_per_cta = TilesPerCta(args.vocab, grid);
   if (!LayoutFits(PACKED, args.tiles_per_cta, props)) return ffi::Error::Success();
-  const int fixed = FixedBytes(PACKED, !PACKED && args.sampling, args.tiles_per_cta);
+  const int fixed = FixedBytes(PACKED, Rotated(PACKED, args), args.tiles_per_cta);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
   const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
   auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(args)

@@ -1,7 +1,7 @@
 // The transposed walk kernel: walks of 17 to 64 requests over int8 W2 (see walk_kernel.cuh for the
 // walk it shares its exchange and helpers with). Greedy walks with no logits out take the plain
 // instantiation (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
-// (kLogitsWalk, kSampledWalk).
+// (kLogitsWalk, kSampledWalk, kRotatedSampledWalk).
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
@@ -28,9 +28,10 @@
 //   (Philox chains in lockstep). Reading it from a kernel of its own (MarkovWalkNoise, v39) cost that
 //   kernel's 311 us and the walk 39 MB of HBM reads a step at V = 151936, B = 64; computed here, the
 //   integer multiplies take the issue slots that the walk's latencies leave idle.
-// - The sampled walk of 33-63 requests (v41): a thread holds two requests in some warps and one in
+// - The sampled walk of 33-48 requests (v41): a thread holds two requests in some warps and one in
 //   others, and the noise is most of the work; DigitLayout's ROTATED order gives each warpgroup's
-//   heavy warps to other SM sub-partitions than the other warpgroups' (48 KB of A operands, not 32).
+//   heavy warps to other SM sub-partitions than the other warpgroups' (48 KB of A operands, not 32:
+//   one resident tile fewer, which costs more than the balance gains from 49 requests on).
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
 //   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
 //   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
@@ -220,14 +221,18 @@ static_assert(TransposedSmem<false, false>::kStateBytes <= 1024, "the state fits
 static_assert(TransposedSmem<false, true>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 // What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
-// logits out (greedy), or sampling (and logits out if asked). Each is its own instantiation: the
-// noise's code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
-enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2 };
+// logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
+// for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instantiation: the noise's
+// code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
+constexpr int kRotatedMaxBatch = 48;  // 40: -7.5 %, 48: -3.7 %, 64: +1.3 % (Session 20's A/B)
 
 template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
   constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
-  constexpr bool ROTATED = WALK == kSampledWalk && !PACKED;  // see DigitLayout
+  constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
+  constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
+  static_assert(!(ROTATED && PACKED), "the rotated order is the unpacked layout's");
   using Digits = DigitLayout<PACKED, ROTATED>;
   using Layout = TransposedSmem<PACKED, ROTATED>;
   constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
@@ -236,7 +241,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
   // request 1's once the accumulators are turned into floats (registers for the noise's chains).
-  constexpr int kEarly = WALK == kSampledWalk && !PACKED ? 1 : kRequests;
+  constexpr int kEarly = SAMPLED && !PACKED ? 1 : kRequests;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
@@ -340,8 +345,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     int best_row[kRequests];
     float unscale_of[kRequests];
     size_t base_offset[kRequests];  // also the logits' (both [B, K, V])
-    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one or one past the batch
-    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // kSampledWalk: its Philox key and counter
+    float inv_t[kRequests];  // SAMPLED: 1 / T of a sampled request, 0 for a greedy one or one past the batch
+    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // SAMPLED: its Philox key and counter
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
       best_value[r] = -INFINITY;
@@ -349,7 +354,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
-      if constexpr (WALK == kSampledWalk) {
+      if constexpr (SAMPLED) {
         const float temp = a.temperature[rq];
         inv_t[r] = temp > 0.0f && RequestOf(r) < batch ? 1.0f / temp : 0.0f;
         key0[r] = a.key[2 * rq];
@@ -458,7 +463,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int r = 0; r < kRequests; ++r) {
           const BasePairBits<BASE>(&base_r)[8] = r < kEarly ? base[r < kEarly ? r : 0] : late;
-          const bool sampled = WALK == kSampledWalk && inv_t[r] > 0.0f;
+          const bool sampled = SAMPLED && inv_t[r] > 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
           float gumbel[4];
 #pragma unroll
@@ -501,7 +506,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         }
       };
       const auto GeneralFor = [&](auto partial) {
-        if constexpr (WALK == kSampledWalk) {  // kLogitsWalk always has logits out (KernelFor)
+        if constexpr (SAMPLED) {  // kLogitsWalk always has logits out (KernelFor)
           if (a.logits == nullptr) {
             GeneralEpilogue(partial, std::integral_constant<int, kNone>());
             return;
