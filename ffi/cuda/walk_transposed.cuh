@@ -380,31 +380,23 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
       }
       int acc[kBlocks][32];
-      // The A operands from `rows` rows on (ROTATED: 16 wg). One copy of the wgmmas per warpgroup, each
-      // with constant A descriptors: made from wg, they would live in 32 ordinary registers through the
-      // epilogue (the compiler cannot tell that wg is uniform), and the noise's chains spilled.
-      const auto Mmas = [&](auto rows) {
-#pragma unroll
-        for (int d = 0; d < kBlocks; ++d) {
-#pragma unroll
-          for (int s = 0; s < kRank / 32; ++s) {
-            WgmmaS8(acc[d], WgmmaDescriptor(digits + d * Digits::kOperandBytes + s * Digits::kSlabBytes + 32 * decltype(rows)::value, 128, 256),
-                    WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
-          }
-        }
+      // The A operands of k-slab s, from row 0 (ROTATED: row 16 wg). A rotated descriptor is one made
+      // here plus a constant: the asm hides where its shift comes from, so that the compiler neither
+      // holds all sixteen in ordinary registers through the epilogue (it cannot tell that wg is uniform,
+      // and the noise's chains spilled) nor needs a copy of the wgmmas per warpgroup (which it
+      // serializes: each wgmma waited for the one before).
+      uint32_t a_shift = 32 * 16 * wg;  // bytes
+      if constexpr (ROTATED) asm volatile("" : "+r"(a_shift));
+      const uint64_t rotated_desc = WgmmaDescriptor(digits + a_shift, 128, 256);
+      const auto ADesc = [&](int d, int s) {
+        const int offset = d * Digits::kOperandBytes + s * Digits::kSlabBytes;
+        return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
       };
       WgmmaFence();
-      if constexpr (ROTATED) {
-        static_assert(kTransposedWarpgroups == 3, "one copy of the wgmmas per warpgroup");
-        if (wg == 0) {
-          Mmas(std::integral_constant<int, 0>());
-        } else if (wg == 1) {
-          Mmas(std::integral_constant<int, 16>());
-        } else {
-          Mmas(std::integral_constant<int, 32>());
-        }
-      } else {
-        Mmas(std::integral_constant<int, 0>());
+#pragma unroll
+      for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+        for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
       }
       WgmmaCommit();
       WgmmaWaitGroup<0>();
