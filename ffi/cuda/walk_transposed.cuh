@@ -77,8 +77,8 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
 }
 
 // The A operands' layout. Unpacked, operand d holds digit d of request b in row b. PACKED (up to 32
-// requests), the one operand holds digit d of request b in row 16 (b / 8) + b % 8 + 8 d. ROTATED (the
-// unpacked sampled walk): row 16 (b / 8) + b % 8 of operand d for b < 32 and row 16 ((b - 32) / 8) + 8
+// requests), the one operand holds digit d of request b in row 16 (b / 8) + b % 8 + 8 d. ROTATED (unpacked
+// sampled launches of up to kRotatedMaxBatch requests): row 16 (b / 8) + b % 8 of operand d for b < 32 and row 16 ((b - 32) / 8) + 8
 // + b % 8 for the rest, and rows 0-31 again as rows 64-95, so that warpgroup j reads the 64 rows from
 // row 16 j on: its warp w then scores the requests that warp (w + j) % 4 holds in operand rows 0-63.
 // Below 64 requests some warps hold two requests a thread and the others one, and a sampled request's
