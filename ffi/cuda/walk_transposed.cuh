@@ -77,10 +77,11 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
 }
 
 // The A operands' layout. Unpacked, operand d holds digit d of request b in row b. PACKED (up to 32
-// requests), the one operand holds digit d of request b in row 16 (b / 8) + b % 8 + 8 d. ROTATED (unpacked
-// sampled launches of up to kRotatedMaxBatch requests): row 16 (b / 8) + b % 8 of operand d for b < 32 and row 16 ((b - 32) / 8) + 8
-// + b % 8 for the rest, and rows 0-31 again as rows 64-95, so that warpgroup j reads the 64 rows from
-// row 16 j on: its warp w then scores the requests that warp (w + j) % 4 holds in operand rows 0-63.
+// requests), the one operand holds digit d of request b in row 16 (b / 8) + b % 8 + 8 d. ROTATED
+// (unpacked sampled launches of up to kRotatedMaxBatch requests): row 16 (b / 8) + b % 8 of operand d
+// for b < 32 and row 16 ((b - 32) / 8) + 8 + b % 8 for the rest, and rows 0-31 again as rows 64-95, so
+// that warpgroup j reads the 64 rows from row 16 j on: its warp w then scores the requests that warp
+// (w + j) % 4 holds in operand rows 0-63.
 // Below 64 requests some warps hold two requests a thread and the others one, and a sampled request's
 // noise is most of a thread's work; the three warpgroups put warp w on the same SM sub-partition, so
 // that without the rotation the sub-partitions of the first warps made all the second requests' noise.
@@ -225,7 +226,7 @@ static_assert(TransposedSmem<false, true>::kDigitsBytes % 1024 == 0, "the state 
 // for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instantiation: the noise's
 // code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
 enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
-constexpr int kRotatedMaxBatch = 48;  // 40: -7.5 %, 48: -3.7 %, 64: +1.3 % (Session 20's A/B)
+constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 % (NOTES, Session 20)
 
 template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
