@@ -108,7 +108,8 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # Every request sampled. Up to 5 requests at V = 151936 (noise of 24 KB per CTA) compute each
 # step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. With 17-64
 # requests and V % 8 == 0 the transposed kernel walks and makes the noise in its epilogue (packed at
-# 24, not at 40 and 48; the last tile half outside V = 100008 and 60008), as it does for the mixed
+# 24; not at 40 and 48, in the rotated order, nor at 56; the last tile half outside V = 100008 and
+# 60008), as it does for the mixed
 # benchmark shapes at B = 64. Otherwise batches of 9 or more whose noise does not fit in shared
 # memory have it made before the walk by MarkovWalkNoise (the mixed benchmark shape at B = 16); at
 # V = 8003 the noise of 40 requests fits in shared memory (MarkovWalkKernel's wgmma kernel fills it).
@@ -119,7 +120,7 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
     (2, 16, 248320, jnp.bfloat16, jnp.float32),
     (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32),
     (24, 5, 100008, jnp.float16, jnp.bfloat16), (48, 3, 60008, jnp.float32, jnp.float16),
-    (40, 3, 8003, jnp.bfloat16, jnp.float32)])
+    (56, 3, 60008, jnp.bfloat16, jnp.bfloat16), (40, 3, 8003, jnp.bfloat16, jnp.float32)])
 def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dtype):
     rng = np.random.default_rng(hash((batch, steps, vocab, str(base_dtype), str(logits_dtype))) % 2**32)
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)

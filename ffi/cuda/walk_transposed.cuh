@@ -1,7 +1,7 @@
 // The transposed walk kernel: walks of 17 to 64 requests over int8 W2 (see walk_kernel.cuh for the
 // walk it shares its exchange and helpers with). Greedy walks with no logits out take the plain
 // instantiation (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
-// (kLogitsWalk, kSampledWalk).
+// (kLogitsWalk, kSampledWalk, kRotatedSampledWalk).
 //
 // Design (measured alone in Session 15 of benchmarks/NOTES.md)
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
@@ -28,6 +28,10 @@
 //   (Philox chains in lockstep). Reading it from a kernel of its own (MarkovWalkNoise, v39) cost that
 //   kernel's 311 us and the walk 39 MB of HBM reads a step at V = 151936, B = 64; computed here, the
 //   integer multiplies take the issue slots that the walk's latencies leave idle.
+// - The sampled walk of 33-48 requests (v41): a thread holds two requests in some warps and one in
+//   others, and the noise is most of the work; DigitLayout's ROTATED order gives each warpgroup's
+//   heavy warps to other SM sub-partitions than the other warpgroups' (48 KB of A operands, not 32:
+//   one resident tile fewer, which costs more than the balance gains from 49 requests on).
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
 //   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
 //   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
@@ -43,10 +47,11 @@ constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
 constexpr int kTransposedWarpgroups = 3;
 constexpr int kTransposedThreads = 128 * kTransposedWarpgroups;
 
-// Byte offset of element (row, k) of a 64 x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
-__host__ __device__ constexpr int TransposedOffset(int row, int k) {
-  return (k / 32) * 2048 + (row / 8) * 256 + ((k % 32) / 16) * 128 + (row % 8) * 16 + k % 16;
+// Byte offset of element (row, k) of a `rows` x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
+__host__ __device__ constexpr int OperandOffset(int rows, int row, int k) {
+  return (k / 32) * (rows * 32) + (row / 8) * 256 + ((k % 32) / 16) * 128 + (row % 8) * 16 + k % 16;
 }
+__host__ __device__ constexpr int TransposedOffset(int row, int k) { return OperandOffset(64, row, k); }
 
 // An int32 with |x| < 2^22 as a float, exactly: 1.5 x 2^23 + x holds x in its low mantissa bits.
 __device__ __forceinline__ float SmallIntToFloat(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
@@ -71,16 +76,61 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
   }
 }
 
-// The A operand and row of digit d of request b: row b of operand d, or (PACKED) row
-// 16 (b / 8) + b % 8 + 8 d of the one operand.
-template <bool PACKED>
-__host__ __device__ constexpr int DigitOffset(int b, int d, int k) {
-  return PACKED ? TransposedOffset(16 * (b / 8) + b % 8 + 8 * d, k) : d * kTransposedTileBytes + TransposedOffset(b, k);
-}
+// The A operands' layout. Unpacked, operand d holds digit d of request b in row b. PACKED (up to 32
+// requests), the one operand holds digit d of request b in row 16 (b / 8) + b % 8 + 8 d. ROTATED
+// (unpacked sampled launches of up to kRotatedMaxBatch requests): row 16 (b / 8) + b % 8 of operand d
+// for b < 32 and row 16 ((b - 32) / 8) + 8 + b % 8 for the rest, and rows 0-31 again as rows 64-95, so
+// that warpgroup j reads the 64 rows from row 16 j on: its warp w then scores the requests that warp
+// (w + j) % 4 holds in operand rows 0-63.
+// Below 64 requests some warps hold two requests a thread and the others one, and a sampled request's
+// noise is most of a thread's work; the three warpgroups put warp w on the same SM sub-partition, so
+// that without the rotation the sub-partitions of the first warps made all the second requests' noise.
+template <bool PACKED, bool ROTATED>
+struct DigitLayout {
+  static constexpr int kRows = ROTATED ? 64 + 16 * (kTransposedWarpgroups - 1) : 64;  // rows of an operand
+  static constexpr int kSlabBytes = kRows * 32;  // the k-slab of one wgmma (32 k)
+  static constexpr int kOperandBytes = kRows * kRank;
+  static constexpr int kBytes = (PACKED ? 1 : 2) * kOperandBytes;
+  // The operand row of digit d of request b (ROTATED: its first copy).
+  __host__ __device__ static constexpr int Row(int b, int d) {
+    return PACKED ? 16 * (b / 8) + b % 8 + 8 * d : ROTATED ? (b < 32 ? 16 * (b / 8) + b % 8 : 16 * ((b - 32) / 8) + 8 + b % 8) : b;
+  }
+  __host__ __device__ static constexpr int Offset(int b, int d, int k) {
+    return (PACKED ? 0 : d * kOperandBytes) + OperandOffset(kRows, Row(b, d), k);
+  }
+  // The request that warp w of warpgroup wg scores in accumulator rows g + 8 r of its 16 (PACKED: r = 0).
+  __host__ __device__ static constexpr int Request(int w, int wg, int g, int r) {
+    return PACKED ? 8 * w + g : ROTATED ? 8 * ((w + wg) % 4) + g + 32 * r : 16 * w + g + 8 * r;
+  }
+  // Whether Request names the request whose digits lie in the rows each warpgroup reads: for each
+  // warpgroup, every request once, in the row of its digit 0 (PACKED: digit 1 eight rows on).
+  static constexpr bool Consistent() {
+    for (int wg = 0; wg < kTransposedWarpgroups; ++wg) {
+      bool seen[kMaxBatch] = {};
+      for (int w = 0; w < 4; ++w) {
+        for (int g = 0; g < 8; ++g) {
+          for (int r = 0; r < (PACKED ? 1 : 2); ++r) {
+            const int b = Request(w, wg, g, r);
+            const int read = (ROTATED ? 16 * wg : 0) + 16 * w + g + 8 * r;  // the operand row read
+            if (b < 0 || b >= kMaxBatch || seen[b] || read >= kRows) return false;
+            seen[b] = true;
+            const int row = Row(b, 0);
+            if (read != row && !(read == row + 64 && row < kRows - 64)) return false;
+            if (PACKED && Row(b, 1) != row + 8) return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+};
+static_assert(DigitLayout<true, false>::Consistent() && DigitLayout<false, false>::Consistent() &&
+                  DigitLayout<false, true>::Consistent(),
+              "each warpgroup reads every request's digits where Request says");
 
-// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`); records
-// the unscale and writes the embeds row as MarkovWalkKernel does.
-template <bool PACKED>
+// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`, laid out as
+// Digits, a DigitLayout); records the unscale and writes the embeds row as MarkovWalkKernel does.
+template <typename Digits>
 __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                int8_t* digits, float* unscale) {
   float e[8];
@@ -90,7 +140,11 @@ __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, 
   DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
-    *reinterpret_cast<uint2*>(digits + DigitOffset<PACKED>(b, d, 8 * lane)) = make_uint2(words[d][0], words[d][1]);
+    const uint2 bytes = make_uint2(words[d][0], words[d][1]);
+    *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane)) = bytes;
+    if (Digits::kRows > 64 && Digits::Row(b, d) < Digits::kRows - 64) {  // its copy 64 rows (8 x 256 bytes) on
+      *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane) + 8 * 256) = bytes;
+    }
   }
 }
 
@@ -151,12 +205,12 @@ __device__ __forceinline__ void StoreThreadLogits(const WalkArgs& a, size_t offs
   }
 }
 
-// Shared memory: the A operands (two, PACKED one), per-request state, then the W2 scales, one
+// Shared memory: the A operands (DigitLayout), per-request state, then the W2 scales, one
 // streamed-tile slot per warpgroup and the resident tiles (each tile 1024-byte aligned, as are the
 // operands).
-template <bool PACKED>
+template <bool PACKED, bool ROTATED>
 struct TransposedSmem {
-  static constexpr int kDigitsBytes = (PACKED ? 1 : 2) * kTransposedTileBytes;
+  static constexpr int kDigitsBytes = DigitLayout<PACKED, ROTATED>::kBytes;
   static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
   static constexpr int kRingBytes = kTransposedWarpgroups * kTransposedTileBytes;
   __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
@@ -164,24 +218,31 @@ struct TransposedSmem {
     return kDigitsBytes + 1024 + ScalesBytes(rows_per_cta) + kRingBytes;  // state padded to 1024
   }
 };
-static_assert(TransposedSmem<false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+static_assert(TransposedSmem<false, false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+static_assert(TransposedSmem<false, true>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 // What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
-// logits out (greedy), or sampling (and logits out if asked). Each is its own instantiation: the
-// noise's code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
-enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2 };
+// logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
+// for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instantiation: the noise's
+// code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
+constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 % (NOTES, Session 20)
 
 template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
   constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
-  using Layout = TransposedSmem<PACKED>;
+  constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
+  constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
+  static_assert(!(ROTATED && PACKED), "the rotated order is the unpacked layout's");
+  using Digits = DigitLayout<PACKED, ROTATED>;
+  using Layout = TransposedSmem<PACKED, ROTATED>;
   constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   constexpr int kWarps = kTransposedThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
   // request 1's once the accumulators are turned into floats (registers for the noise's chains).
-  constexpr int kEarly = WALK == kSampledWalk && !PACKED ? 1 : kRequests;
+  constexpr int kEarly = SAMPLED && !PACKED ? 1 : kRequests;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
@@ -260,7 +321,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
-          if (b < batch) BuildTwoDigits<PACKED>(a, b, k, lane, w1_raw[p], digits, unscale);
+          if (b < batch) BuildTwoDigits<Digits>(a, b, k, lane, w1_raw[p], digits, unscale);
         }
       }
     }
@@ -275,16 +336,18 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     Stamp(a, k, 3);
 
     // 2. Score this warpgroup's tiles: a thread's best (value, row) for requests 16 w + g + 8 r
-    //    (PACKED: request 8 w + g) over its rows 16 t .. 16 t + 15 of each tile.
-    const auto RequestOf = [&](int r) { return PACKED ? 8 * w + g : 16 * w + g + 8 * r; };
-    // A warp whose requests all lie past the batch joins its warpgroup's wgmmas only.
-    const bool warp_idle = (PACKED ? 8 * w : 16 * w) >= batch;
+    //    (PACKED: request 8 w + g; ROTATED: 8 ((w + wg) % 4) + g + 32 r) over its rows 16 t .. 16 t + 15
+    //    of each tile.
+    const auto RequestOf = [&](int r) { return Digits::Request(w, wg, g, r); };
+    // A warp whose requests all lie past the batch (its first, request RequestOf(0) - g, does) joins its
+    // warpgroup's wgmmas only.
+    const bool warp_idle = RequestOf(0) - g >= batch;
     float best_value[kRequests];
     int best_row[kRequests];
     float unscale_of[kRequests];
     size_t base_offset[kRequests];  // also the logits' (both [B, K, V])
-    float inv_t[kRequests];  // kSampledWalk: 1 / T of a sampled request, 0 for a greedy one or one past the batch
-    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // kSampledWalk: its Philox key and counter
+    float inv_t[kRequests];  // SAMPLED: 1 / T of a sampled request, 0 for a greedy one or one past the batch
+    uint32_t key0[kRequests], key1[kRequests], position[kRequests];  // SAMPLED: its Philox key and counter
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
       best_value[r] = -INFINITY;
@@ -292,9 +355,9 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
-      if constexpr (WALK == kSampledWalk) {
+      if constexpr (SAMPLED) {
         const float temp = a.temperature[rq];
-        inv_t[r] = a.sampling && temp > 0.0f && RequestOf(r) < batch ? 1.0f / temp : 0.0f;
+        inv_t[r] = temp > 0.0f && RequestOf(r) < batch ? 1.0f / temp : 0.0f;
         key0[r] = a.key[2 * rq];
         key1[r] = a.key[2 * rq + 1];
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
@@ -318,14 +381,23 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
       }
       int acc[kBlocks][32];
+      // The A operands of k-slab s, from row 0 (ROTATED: row 16 wg). A rotated descriptor is one made
+      // here plus a constant: the asm hides where its shift comes from, so that the compiler neither
+      // holds all sixteen in ordinary registers through the epilogue (it cannot tell that wg is uniform,
+      // and the noise's chains spilled) nor needs a copy of the wgmmas per warpgroup (which it
+      // serializes: each wgmma waited for the one before).
+      uint32_t a_shift = 32 * 16 * wg;  // bytes
+      if constexpr (ROTATED) asm volatile("" : "+r"(a_shift));
+      const uint64_t rotated_desc = WgmmaDescriptor(digits + a_shift, 128, 256);
+      const auto ADesc = [&](int d, int s) {
+        const int offset = d * Digits::kOperandBytes + s * Digits::kSlabBytes;
+        return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
+      };
       WgmmaFence();
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
-        for (int s = 0; s < kRank / 32; ++s) {
-          WgmmaS8(acc[d], WgmmaDescriptor(digits + d * kTransposedTileBytes + s * 2048, 128, 256),
-                  WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
-        }
+        for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
       }
       WgmmaCommit();
       WgmmaWaitGroup<0>();
@@ -384,7 +456,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
         for (int r = 0; r < kRequests; ++r) {
           const BasePairBits<BASE>(&base_r)[8] = r < kEarly ? base[r < kEarly ? r : 0] : late;
-          const bool sampled = WALK == kSampledWalk && inv_t[r] > 0.0f;
+          const bool sampled = SAMPLED && inv_t[r] > 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
           float gumbel[4];
 #pragma unroll
@@ -427,6 +499,8 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         }
       };
       const auto GeneralFor = [&](auto partial) {
+        // kLogitsWalk always has logits out (KernelFor), but without its kNone copy it ran 1.3-1.5 %
+        // slower (Session 20's A/B at B = 64).
         if (a.logits == nullptr) {
           GeneralEpilogue(partial, std::integral_constant<int, kNone>());
         } else if (a.logits_dtype == kBF16) {
