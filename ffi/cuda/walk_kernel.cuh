@@ -5,8 +5,9 @@
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step. Each thread
-//   re-reads exactly the bytes it stored, so no barrier guards them.
+//   order: one 16-byte load per MMA operand; int8 tiles that the MMAs take as fp16 are stored as x +
+//   128, as the conversion takes them); the rest stream from L2 every step. Each thread re-reads exactly the bytes it stored,
+//   so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
@@ -213,11 +214,44 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 // (and k + 1) at k-step s. For wgmma (WG), per k-step a [16 x 8 NT] block in the canonical K-major
 // layout without swizzle: core matrices of 8 columns x 8 k (128 contiguous bytes, 16 per column), the
 // two k-halves of a k-step 128 bytes apart, groups of 8 columns 256 bytes apart. For mma.sync, the
-// fragment of lane (n & 7, kp) of n-tile n / 8 at k-step s, as one 8-byte load: [NT][16][32 lanes].
+// 8-byte fragment of lane (n & 7, kp) of n-tile n / 8 at k-step s, a lane's fragments of all n-tiles
+// side by side: [16][32 lanes][NT] (NT = 2 reads both in one 16-byte load, LoadStepFragments).
 template <int NT, bool WG>
-__device__ __forceinline__ int FragWord(int s, int n, int half, int kp) {
+__host__ __device__ constexpr int FragWord(int s, int n, int half, int kp) {
   if constexpr (WG) return s * 64 * NT + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + kp;
-  return 2 * (((n >> 3) * 16 + s) * 32 + (n & 7) * 4 + kp) + half;
+  return 2 * ((s * 32 + (n & 7) * 4 + kp) * NT + (n >> 3)) + half;
+}
+
+// The first of lane `lane`'s NT fragments of k-step s (8 bytes each) in mma.sync's FragWord layout.
+template <int NT>
+__host__ __device__ constexpr int StepFragments(int s, int lane) { return (s * 32 + lane) * NT; }
+template <int NT>
+constexpr bool StepFragmentsMatch() {  // lane (g, kp) reads column g of each n-tile at k = 2 kp (+ 8 half)
+  for (int s = 0; s < 16; ++s)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int nt = 0; nt < NT; ++nt)
+        for (int half = 0; half < 2; ++half)
+          if (2 * (StepFragments<NT>(s, lane) + nt) + half != FragWord<NT, false>(s, 8 * nt + lane / 4, half, lane % 4)) return false;
+  return true;
+}
+static_assert(StepFragmentsMatch<1>() && StepFragmentsMatch<2>(), "LoadStepFragments reads what FragWord placed");
+
+// Lane `lane`'s mma.sync B fragments of k-step s, one per n-tile (FragWord), 16 bytes a load.
+template <int NT>
+__device__ __forceinline__ void LoadStepFragments(const uint32_t* frag, int s, int lane, uint2 (&bf)[NT]) {
+  if constexpr (NT % 2 == 0) {
+    const uint4* p = reinterpret_cast<const uint4*>(frag) + StepFragments<NT>(s, lane) / 2;
+#pragma unroll
+    for (int i = 0; i < NT / 2; ++i) {
+      const uint4 v = p[i];
+      bf[2 * i] = make_uint2(v.x, v.y);
+      bf[2 * i + 1] = make_uint2(v.z, v.w);
+    }
+  } else {
+    const uint2* p = reinterpret_cast<const uint2*>(frag) + StepFragments<NT>(s, lane);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bf[nt] = p[nt];
+  }
 }
 template <int NT>
 constexpr int kFragStepBytes = 256 * NT;
@@ -822,6 +856,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
+  // Resident int8 tiles converted to fp16 hold x + 128 (sign bits flipped once, at step 0), as
+  // Int8PairToHalf2 takes them: one LOP3 fewer per operand word at every later step.
+  constexpr bool kFlippedResident = W2 == kW2Int8 && !DIGITS;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1146,12 +1183,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
       }
-      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
-      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
-      // the chunks that `use` reads are loaded).
+      if (active && !streamed && kFlippedResident && k == 0) {
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const uint4 v = slot[i * 32];
+          slot[i * 32] = make_uint4(v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u);
+        }
+      }
+      // Calls use(rows_order, chunks, flipped) on the tile's chunks: the prefetch registers of a
+      // streamed tile, or those of a resident one from shared memory (zeros for a warp past its tiles;
+      // only the chunks that `use` reads are loaded); flipped: kFlippedResident's x + 128.
       const auto WithChunks = [&](const auto& use) {
         if (streamed) {
-          use(true, pre);
+          use(true, pre, false);
         } else {
           uint4 q[kChunks];
           if (active) {
@@ -1161,16 +1205,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
           }
-          use(!kFragmentOrder, q);
+          use(!kFragmentOrder, q, kFlippedResident);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
-      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped, int s) {
         if constexpr (W2 == kW2Int8) {
           // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
           const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+          const uint32_t flip = flipped ? 0u : 0x80808080u;
+          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ flip;
+          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ flip;
           return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
                             Int8PairToHalf2(wb, 0x4342));
         } else {
@@ -1178,7 +1223,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (!kWgmma) {
-        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
 #pragma unroll
@@ -1201,11 +1246,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             float acc[kChains * NT][4] = {};
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
-              const uint4 op = StepOperands(rows_order, chunks, s);
+              const uint4 op = StepOperands(rows_order, chunks, flipped, s);
+              uint2 bf[NT];
+              LoadStepFragments<NT>(frag, s, lane, bf);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
-                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
-                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
+                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf[nt].x, bf[nt].y);
               }
             }
 #pragma unroll
@@ -1230,10 +1276,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int h = 0; h < 16 / kBatch; ++h) {
           uint32_t op[kBatch][4];
-          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
-              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i);
+              const uint4 v = StepOperands(rows_order, chunks, flipped, kBatch * h + i);
               op[i][0] = v.x;
               op[i][1] = v.y;
               op[i][2] = v.z;
