@@ -107,6 +107,10 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
         return f"the CUDA kernel needs rank r = {CUDA_RANK}, got {rank}"
     if steps > CUDA_MAX_STEPS:
         return f"the CUDA kernel walks at most K = {CUDA_MAX_STEPS} steps, got {steps}"
+    per_launch = min(batch, CUDA_LAUNCH_COLUMNS // cuda_columns_per_request(w1_dtype, w2_dtype))
+    if per_launch * steps * vocab >= 2**32:
+        return (f"the CUDA kernel addresses one launch's base logits in 32 bits: {per_launch} requests x K = {steps} x "
+                f"V = {vocab} is not below 2^32")
     if np.dtype(w2_dtype) != np.int8:
         # A float W2 that the chip does not hold streams from L2 and HBM each step, still well
         # ahead of the reference, which reads all of it from HBM each step.

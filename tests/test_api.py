@@ -453,6 +453,21 @@ def test_lowering_for_cuda_on_cpu_machine():
     assert CUSTOM_CALL not in small and "stablehlo.while" in small
 
 
+def test_cuda_refuses_launches_past_32_bit_base_offsets():
+    """One launch's base logits are addressed in 32 bits: a float head of a vocabulary that large
+    falls back (the int8 head's L2 limit comes first)."""
+    if not native.cuda_available():
+        pytest.skip("the CUDA module is not built")
+    vocab = 2**32 // (64 * 16)
+    assert native.cuda_unsupported_reason(64, 16, vocab - 1, native.CUDA_RANK, jnp.bfloat16, jnp.bfloat16) is None
+    reason = native.cuda_unsupported_reason(64, 16, vocab, native.CUDA_RANK, jnp.bfloat16, jnp.bfloat16)
+    assert reason is not None and "2^32" in reason
+    # 8 requests of that vocabulary are well inside it; fp32 W1 takes two columns a request
+    assert native.cuda_unsupported_reason(8, 16, vocab, native.CUDA_RANK, jnp.bfloat16, jnp.bfloat16) is None
+    assert "2^32" in native.cuda_unsupported_reason(64, 16, 2 * vocab, native.CUDA_RANK, jnp.float32, jnp.float16)
+    assert native.cuda_unsupported_reason(64, 16, 2 * vocab - 1, native.CUDA_RANK, jnp.float32, jnp.float16) is None
+
+
 def test_lowering_float_heads_for_cuda():
     """fp16 and bf16 heads walk in the kernel unquantized; an fp32 W2 falls back to the reference
     (impl="ffi" names the formats the kernel walks)."""

@@ -719,39 +719,37 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
   }
 }
 
+// Where the base logits of lane (g, t)'s slot i start at step k, as an element index: into a.base
+// ([B, K, V]: Launch keeps B K V below 2^32), or STAGED into `staged` ([B][stage_rows], less
+// first_row, so that adding a row of this CTA gives its index). Requests past the batch read the last
+// one's. Computed once a step, so that a tile's loads add only their rows.
+template <bool SPLIT, bool DIGITS, bool STAGED>
+__device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, int first_row, int k, int i, int t) {
+  const int rq = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1);
+  return STAGED ? uint32_t(rq * stage_rows - first_row) : uint32_t(rq * a.steps + k) * uint32_t(a.vocab);
+}
+
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
-// (ba) and row0 + g + 8 (bb) of every request it owns, at clamped (always valid) indices. All loads
-// of one call issue before any is used.
-template <bool SPLIT, bool DIGITS, int kSlots, bool STAGED>
-__device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, int stage_rows,
-                                             int first_row, int k, int row0, int g, int t, uint32_t (&ba)[kSlots],
-                                             uint32_t (&bb)[kSlots]) {
-  const int ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
-  if constexpr (STAGED) {
+// (ba) and row0 + g + 8 (bb) of every request it owns (`line`: BaseLine), at clamped (always valid)
+// indices. All loads of one call issue before any is used.
+template <int kSlots, bool STAGED>
+__device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, const uint32_t (&line)[kSlots],
+                                             int row0, int g, uint32_t (&ba)[kSlots], uint32_t (&bb)[kSlots]) {
+  const uint32_t ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
+  const void* base = STAGED ? static_cast<const void*>(staged) : a.base;
+  if (a.base_dtype == kF32) {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
-      const int offset = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1) * stage_rows - first_row;
-      if (a.base_dtype == kF32) {
-        ba[i] = reinterpret_cast<const uint32_t*>(staged)[offset + ra];
-        bb[i] = reinterpret_cast<const uint32_t*>(staged)[offset + rb];
-      } else {
-        ba[i] = reinterpret_cast<const unsigned short*>(staged)[offset + ra];
-        bb[i] = reinterpret_cast<const unsigned short*>(staged)[offset + rb];
-      }
-    }
-  } else if (a.base_dtype == kF32) {
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
-      ba[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + ra);
-      bb[i] = __ldcs(static_cast<const unsigned int*>(a.base) + offset + rb);
+      const unsigned int* p = static_cast<const unsigned int*>(base);
+      ba[i] = STAGED ? p[line[i] + ra] : __ldcs(p + (line[i] + ra));
+      bb[i] = STAGED ? p[line[i] + rb] : __ldcs(p + (line[i] + rb));
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
-      const size_t offset = (size_t(min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1)) * a.steps + k) * a.vocab;
-      ba[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + ra);
-      bb[i] = __ldcs(static_cast<const unsigned short*>(a.base) + offset + rb);
+      const unsigned short* p = static_cast<const unsigned short*>(base);
+      ba[i] = STAGED ? p[line[i] + ra] : __ldcs(p + (line[i] + ra));
+      bb[i] = STAGED ? p[line[i] + rb] : __ldcs(p + (line[i] + rb));
     }
   }
 }
@@ -1098,10 +1096,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
     int next_tile = tiles.Local(next_streamed, 0);
+    uint32_t line[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
     uint32_t base_a[kSlots], base_b[kSlots];
-    if (kBaseAhead && tiles.total() > 0) {
-      LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, base_a, base_b);
-    }
+    if (kBaseAhead && tiles.total() > 0) LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
@@ -1121,12 +1120,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
           ++im;
         }
-        if (!kBaseAhead) LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, row0, g, t, base_a, base_b);
+        if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
           next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
           if (kBaseAhead) {
-            LoadBaseBits<SPLIT, DIGITS, kSlots, STAGED>(a, staged, stage_rows, first_row, k, RowOf(next_tile), g, t, next_a, next_b);
+            LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, next_a, next_b);
           }
           if (noise_pass) StageNoise(k, RowOf(next_tile), (noise_tiles + 1) & 1);
         }
@@ -1496,6 +1495,9 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // batches hold more registers per lane.
   constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
+  if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
+    return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
+  }
   const int grid = props.sm_count;
   const int rows_per_cta = RowsPerCta(args.vocab, grid);
   args.tiles_per_cta = rows_per_cta / kTileRows;
