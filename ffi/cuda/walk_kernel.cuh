@@ -5,8 +5,9 @@
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step. Each thread
-//   re-reads exactly the bytes it stored, so no barrier guards them.
+//   order: one 16-byte load per MMA operand; int8 tiles that the MMAs take as fp16 are stored as
+//   x + 128, as the conversion takes them); the rest stream from L2 every step. Each thread re-reads
+//   exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
@@ -820,6 +821,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
+  // Resident int8 tiles converted to fp16 hold x + 128 (sign bits flipped once, at step 0), as
+  // Int8PairToHalf2 takes them: one LOP3 fewer per operand word at every later step.
+  constexpr bool kFlippedResident = W2 == kW2Int8 && !DIGITS;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1145,12 +1149,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
       }
-      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
-      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
-      // the chunks that `use` reads are loaded).
+      if (active && !streamed && kFlippedResident && k == 0) {
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const uint4 v = slot[i * 32];
+          slot[i * 32] = make_uint4(v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u);
+        }
+      }
+      // Calls use(rows_order, chunks, flipped) on the tile's chunks: the prefetch registers of a
+      // streamed tile, or those of a resident one from shared memory (zeros for a warp past its tiles;
+      // only the chunks that `use` reads are loaded); flipped: kFlippedResident's x + 128.
       const auto WithChunks = [&](const auto& use) {
         if (streamed) {
-          use(true, pre);
+          use(true, pre, false);
         } else {
           uint4 q[kChunks];
           if (active) {
@@ -1160,16 +1171,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
           }
-          use(!kFragmentOrder, q);
+          use(!kFragmentOrder, q, kFlippedResident);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
-      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped, int s) {
         if constexpr (W2 == kW2Int8) {
           // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
           const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+          const uint32_t flip = flipped ? 0u : 0x80808080u;
+          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ flip;
+          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ flip;
           return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
                             Int8PairToHalf2(wb, 0x4342));
         } else {
@@ -1177,7 +1189,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (!kWgmma) {
-        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
 #pragma unroll
@@ -1200,7 +1212,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             float acc[kChains * NT][4] = {};
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
-              const uint4 op = StepOperands(rows_order, chunks, s);
+              const uint4 op = StepOperands(rows_order, chunks, flipped, s);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
@@ -1229,10 +1241,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int h = 0; h < 16 / kBatch; ++h) {
           uint32_t op[kBatch][4];
-          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
-              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i);
+              const uint4 v = StepOperands(rows_order, chunks, flipped, kBatch * h + i);
               op[i][0] = v.x;
               op[i][1] = v.y;
               op[i][2] = v.z;
