@@ -68,12 +68,11 @@ for part in $parts; do
       ;;
     sanitizers)
       # 20011,2,40 probabilistic: its noise does not fit in shared memory, so MarkovWalkNoise makes it
-      # for MarkovWalkKernel (V % 8 != 0); 20008,2,40, 20008,2,56 and 40008,2,24 probabilistic walk in the
-      # transposed kernel, which makes the noise itself (not packed at 40, in the rotated order, and 56;
-      # packed at 24), their bf16 logits stored
-      # 16 bytes at a time. 5000,3,12's bf16 logits go out through MarkovWalkKernel's shared memory.
-      # The greedy ones take the transposed kernel: packed (20: a warp of requests past the batch; 24)
-      # and not (40).
+      # for MarkovWalkKernel (V % 8 != 0); 20008,2,40, 20008,2,56 and 40008,2,24 probabilistic walk in
+      # the transposed kernel, which makes the noise itself (not packed at 40, in the rotated order,
+      # and 56; packed at 24), their bf16 logits stored 16 bytes at a time. 5000,3,12's bf16 logits go
+      # out through MarkovWalkKernel's shared memory. The greedy ones take the transposed kernel:
+      # packed (20: a warp of requests past the batch; 24) and not (40).
       shape="benchmarks/profile_kernel.py 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
       { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"

@@ -109,10 +109,10 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # step's Gumbel noise ahead, in shared memory; B = 6 computes it in the scoring epilogue. With 17-64
 # requests and V % 8 == 0 the transposed kernel walks and makes the noise in its epilogue (packed at
 # 24; not at 40 and 48, in the rotated order, nor at 56; the last tile half outside V = 100008 and
-# 60008), as it does for the mixed
-# benchmark shapes at B = 64. Otherwise batches of 9 or more whose noise does not fit in shared
-# memory have it made before the walk by MarkovWalkNoise (the mixed benchmark shape at B = 16); at
-# V = 8003 the noise of 40 requests fits in shared memory (MarkovWalkKernel's wgmma kernel fills it).
+# 60008), as it does for the mixed benchmark shapes at B = 64. Otherwise batches of 9 or more whose
+# noise does not fit in shared memory have it made before the walk by MarkovWalkNoise (the mixed
+# benchmark shape at B = 16); at V = 8003 the noise of 40 requests fits in shared memory
+# (MarkovWalkKernel's wgmma kernel fills it).
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
