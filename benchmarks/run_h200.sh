@@ -57,7 +57,8 @@ for part in $parts; do
       rm -rf /tmp/jm_tlpkg && mkdir -p /tmp/jm_tlpkg && cp -r jax_markov /tmp/jm_tlpkg/ &&
         cp /tmp/jm_timeline/_markov_cuda*.so /tmp/jm_tlpkg/jax_markov/
       (cd benchmarks && PYTHONPATH=/tmp/jm_tlpkg python3 timeline.py --out "$out/h200_timeline" \
-        151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,64,greedy 151936,7,64,probabilistic \
+        151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,16,probabilistic 151936,7,64,greedy \
+        151936,7,64,probabilistic \
         151936,7,1,greedy,bf16 151936,7,16,greedy,bf16) > /tmp/jm_timeline_run.log 2>&1 ||
         tail -20 /tmp/jm_timeline_run.log
       ;;
