@@ -687,8 +687,9 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
 }
 
 // Every sampled request's Gumbel noise for all K steps (a.noise's layout), before the walk starts
-// (batches whose noise does not fit in shared memory), at full occupancy with kNoiseChains
-// independent Philox chains a thread. With the noise at hand the walk scores with the branch-free
+// (batches whose noise does not fit in shared memory), kNoiseChains independent Philox chains a
+// thread, which share its key schedule and store address (8: 89 instructions a value against 104 at
+// 4, Session 22 of benchmarks/NOTES.md). With the noise at hand the walk scores with the branch-free
 // epilogue, whose branches cost the general one more than the noise itself (benchmarks/NOTES.md,
 // Session 13). Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left
 // unwritten. (A template, so that every launch unit that includes this may instantiate it.)
