@@ -687,35 +687,40 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
 }
 
 // Every sampled request's Gumbel noise for all K steps (a.noise's layout), before the walk starts
-// (batches whose noise does not fit in shared memory), at full occupancy with kNoiseChains
-// independent Philox chains a thread. With the noise at hand the walk scores with the branch-free
+// (batches whose noise does not fit in shared memory), kNoiseChains independent Philox chains a
+// thread, which share its key schedule and store address (8: 89 instructions a value against 104 at
+// 4, Session 22 of benchmarks/NOTES.md). With the noise at hand the walk scores with the branch-free
 // epilogue, whose branches cost the general one more than the noise itself (benchmarks/NOTES.md,
 // Session 13). Grid: (ceil(V / kNoiseValuesPerBlock), K, B); greedy requests' lines are left
 // unwritten. (A template, so that every launch unit that includes this may instantiate it.)
 constexpr int kNoiseThreads = 256;
-constexpr int kNoiseChains = 4;
+constexpr int kNoiseChains = 8;
 constexpr int kNoiseValuesPerBlock = kNoiseThreads * kNoiseChains;
 
 template <int CHAINS>
 __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs a, float* noise) {
+  static_assert(kNoiseThreads % kTileRows == 0, "a thread's chains share their place in a tile");
   const int b = blockIdx.z, k = blockIdx.y;
   if (!(a.temperature[b] > 0.0f)) return;
-  uint32_t k0[CHAINS], k1[CHAINS], v[CHAINS], position[CHAINS];
+  const uint32_t key0 = a.key[2 * b], key1 = a.key[2 * b + 1], position = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
+  // Chain i takes value first + i * kNoiseThreads: a warp's stores of a chain cover 32 consecutive values.
+  const uint32_t first = blockIdx.x * kNoiseValuesPerBlock + threadIdx.x;
+  uint32_t k0[CHAINS], k1[CHAINS], v[CHAINS], pos[CHAINS];
   float g[CHAINS];
 #pragma unroll
   for (int i = 0; i < CHAINS; ++i) {
-    k0[i] = a.key[2 * b];
-    k1[i] = a.key[2 * b + 1];
-    // A warp's stores of chain i cover 32 consecutive values.
-    v[i] = blockIdx.x * kNoiseThreads * CHAINS + i * kNoiseThreads + threadIdx.x;
-    position[i] = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
+    k0[i] = key0;
+    k1[i] = key1;
+    v[i] = first + i * kNoiseThreads;
+    pos[i] = position;
   }
-  GumbelNoise<CHAINS>(k0, k1, v, position, g);
+  GumbelNoise<CHAINS>(k0, k1, v, pos, g);
+  // Chain i's value lies kNoiseThreads / 16 tiles after chain 0's, at the same place in its tile.
   const size_t tiles = (a.vocab + kTileRows - 1) / kTileRows;
+  float* out = noise + ((k * tiles + first / kTileRows) * a.batch + b) * kTileRows + first % kTileRows;
 #pragma unroll
   for (int i = 0; i < CHAINS; ++i) {
-    const size_t tile = v[i] / kTileRows;
-    if (v[i] < uint32_t(a.vocab)) __stcs(noise + ((k * tiles + tile) * a.batch + b) * kTileRows + v[i] % kTileRows, g[i]);
+    if (v[i] < uint32_t(a.vocab)) __stcs(out + size_t(i) * kNoiseThreads * a.batch, g[i]);
   }
 }
 
