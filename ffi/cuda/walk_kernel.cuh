@@ -704,7 +704,7 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
   if (!(a.temperature[b] > 0.0f)) return;
   const uint32_t key0 = a.key[2 * b], key1 = a.key[2 * b + 1], position = static_cast<uint32_t>(a.position[b]) + uint32_t(k);
   // Chain i takes value first + i * kNoiseThreads: a warp's stores of a chain cover 32 consecutive values.
-  const uint32_t first = blockIdx.x * kNoiseValuesPerBlock + threadIdx.x;
+  const uint32_t first = blockIdx.x * kNoiseThreads * CHAINS + threadIdx.x;
   uint32_t k0[CHAINS], k1[CHAINS], v[CHAINS], pos[CHAINS];
   float g[CHAINS];
 #pragma unroll
