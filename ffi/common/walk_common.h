@@ -103,8 +103,9 @@ MARKOV_HD float LogOfUnit(float u) {
 }
 
 // g(v) = -log(-log(u)), u = (float(x >> 9) + 0.5) * 2^-23, x = Philox word 0 at (v, position, stream, 0),
-// for N independent (key, v, position) at once (see Philox4x32Word0; WIDE: see MulHiLo).
-template <int N, bool WIDE = false>
+// for N independent (key, v, position) at once (see Philox4x32Word0; WIDE: see MulHiLo). LOGF: on the
+// GPU, the math library's logf and __logf as they stand (the same bits as below).
+template <int N, bool WIDE = false, bool LOGF = false>
 MARKOV_HD void GumbelNoise(const uint32_t (&k0)[N], const uint32_t (&k1)[N], const uint32_t (&v)[N],
                            const uint32_t (&position)[N], float (&g)[N]) {
   uint32_t x[N];
@@ -119,19 +120,24 @@ MARKOV_HD void GumbelNoise(const uint32_t (&k0)[N], const uint32_t (&k1)[N], con
     // form skips __logf's scaling of subnormals and gives its bits): its error in g is at most 3 ulp of
     // g (2^-21.4 absolute near w = 1), far inside the near-tie tolerance. The inner one is logf's
     // (within an ulp): w = -log(u) near u = 1 is tiny, and its relative error becomes g's absolute error.
-    float log2_w;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_w) : "f"(-LogOfUnit(u)));
-    g[i] = log2_w * -0.693147182464599609375f;
+    if constexpr (LOGF) {
+      g[i] = -__logf(-logf(u));
+    } else {
+      float log2_w;
+      asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_w) : "f"(-LogOfUnit(u)));
+      g[i] = log2_w * -0.693147182464599609375f;
+    }
 #else
     g[i] = -std::log(-std::log(u));
 #endif
   }
 }
 
+template <bool LOGF = false>
 MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t position) {
   const uint32_t k0s[1] = {k0}, k1s[1] = {k1}, vs[1] = {v}, ps[1] = {position};
   float g[1];
-  GumbelNoise<1>(k0s, k1s, vs, ps, g);
+  GumbelNoise<1, false, LOGF>(k0s, k1s, vs, ps, g);
   return g[0];
 }
 
