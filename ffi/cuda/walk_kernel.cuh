@@ -667,6 +667,11 @@ __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_
   }
 }
 
+// MarkovWalkKernel's own noise (FillNoise, the general epilogue) takes the math library's logf for its
+// inner log, not LogOfUnit (the same bits): with LogOfUnit the kernel's register allocation shifted and
+// its greedy walks, which compute no noise, ran 1 % slower (benchmarks/NOTES.md, Session 23).
+constexpr bool kWalkLogf = true;
+
 // Step k's Gumbel noise of rows [first_row, first_row + rows) for every sampled request, into
 // noise[b][stage_rows], on `threads` threads from `thread`. It depends on neither the walk nor the
 // weights, so a CTA computes it outside the scoring epilogue (where few lanes own a request when the
@@ -681,7 +686,7 @@ __device__ __forceinline__ void FillNoise(const WalkArgs& a, float* noise, int s
     const uint32_t k0 = key0[b], k1 = key1[b], position = pos[b] + uint32_t(k);
 #pragma unroll 2
     for (int r = thread; r < rows; r += threads) {
-      noise[b * stage_rows + r] = GumbelNoise(k0, k1, uint32_t(first_row + r), position);
+      noise[b * stage_rows + r] = GumbelNoise<kWalkLogf>(k0, k1, uint32_t(first_row + r), position);
     }
   }
 }
@@ -1352,7 +1357,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               v[c] = uint32_t(c % 2 ? row_b : row_a);
               position[c] = pos[rq] + uint32_t(k);
             }
-            GumbelNoise<2 * kNoiseGroup>(k0, k1, v, position, gumbel);
+            GumbelNoise<2 * kNoiseGroup, false, kWalkLogf>(k0, k1, v, position, gumbel);
           }
 #pragma unroll
           for (int j = 0; j < kNoiseGroup; ++j) {
@@ -1372,7 +1377,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
                 const float noise_of = a.noise_ahead ? noise[rq * stage_rows + row - first_row]
                                        : noise_pass  ? tile_noise[rq * kTileRows + row - row0]
                                        : kGroupNoise ? gumbel[2 * j + h]
-                                                     : GumbelNoise(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
+                                                     : GumbelNoise<kWalkLogf>(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
                 score = __fadd_rn(__fmul_rn(l, inv_t[rq]), noise_of);
               }
               const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
