@@ -65,6 +65,7 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
+constexpr int kSlotsPerLane = (kDirectMaxCtas + 31) / 32;  // a gathering lane's slots of one request
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
@@ -264,25 +265,30 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
   return v;
 }
 
-// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
-// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
-__device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
-  constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
-  unsigned long long v[kPerLane];
-  bool ready;
-  do {
-    ready = true;
+// The direct exchange's slots of request b at step k, one poll: lane L reads CTAs L, L + 32, ... (1
+// past the grid); true when all of this lane's are published (a published key is never 0).
+__device__ __forceinline__ bool PollSlots(const unsigned long long* slots, int lane, unsigned long long (&v)[kSlotsPerLane]) {
+  bool ready = true;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      v[i] = 1;
-      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
-      ready = ready && v[i] != 0;
-    }
-  } while (!__all_sync(0xffffffffu, ready));
+  for (int i = 0; i < kSlotsPerLane; ++i) {
+    const int c = lane + 32 * i;
+    v[i] = 1;
+    if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
+    ready = ready && v[i] != 0;
+  }
+  return ready;
+}
+
+// The largest of a lane's polled keys.
+__device__ __forceinline__ unsigned long long LaneMaxKey(const unsigned long long (&v)[kSlotsPerLane]) {
   unsigned long long best = v[0];
 #pragma unroll
-  for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
+  for (int i = 1; i < kSlotsPerLane; ++i) best = v[i] > best ? v[i] : best;
+  return best;
+}
+
+// The largest of the warp's keys; every lane gets it.
+__device__ __forceinline__ unsigned long long WarpMaxKey(unsigned long long best) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) {
     const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
@@ -322,21 +328,47 @@ __device__ __forceinline__ void WriteTokens(int32_t* tokens, int batch, int step
   }
 }
 
-// Lane `lane`'s words of the W1 rows of N target tokens (clamped into W1), in one batch of loads:
-// e[8 lane .. 8 lane + 7], 16 bytes of a 16-bit row (raw[u][0]) or 32 of an f32 row.
+// Lane `lane`'s words of the W1 row of a target token (clamped into W1): e[8 lane .. 8 lane + 7], 16
+// bytes of a 16-bit row (raw[0]) or 32 of an f32 row.
+__device__ __forceinline__ void LoadW1Row(const WalkArgs& a, int row, int lane, uint4 (&raw)[2]) {
+  const int r = ClampIndex(row, a.v_target);
+  if (a.w1_dtype == kF32) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
+    raw[0] = __ldg(src);
+    raw[1] = __ldg(src + 1);
+  } else {
+    raw[0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
+  }
+}
+// The same for N target tokens, in one batch of loads.
 template <int N>
 __device__ __forceinline__ void LoadW1Rows(const WalkArgs& a, const int (&row)[N], int lane, uint4 (&raw)[N][2]) {
 #pragma unroll
-  for (int u = 0; u < N; ++u) {
-    const int r = ClampIndex(row[u], a.v_target);
-    if (a.w1_dtype == kF32) {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(a.w1) + size_t(r) * kRank) + 2 * lane;
-      raw[u][0] = __ldg(src);
-      raw[u][1] = __ldg(src + 1);
-    } else {
-      raw[u][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(a.w1) + size_t(r) * kRank) + lane);
+  for (int u = 0; u < N; ++u) LoadW1Row(a, row[u], lane, raw[u]);
+}
+
+// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
+// them are published. The whole warp calls it; every lane gets it. While the keys come in, the W1 row
+// of the best one published so far is asked into this SM's L1, so that the row's loads after the last
+// key usually hit L1: the winner is most often among the keys published before the last ones (one L2
+// round trip less between the exchange and e). With a d2t map the row asked for is the draft token's,
+// not the target token's that e takes: a prefetch that does no harm.
+__device__ __forceinline__ unsigned long long GatherKey(const WalkArgs& a, const unsigned long long* slots, int lane) {
+  unsigned long long v[kSlotsPerLane];
+  unsigned long long guess = 1;  // 1: no candidate published yet
+  bool ready = PollSlots(slots, lane, v);
+  while (!__all_sync(0xffffffffu, ready)) {
+    const unsigned long long mine = LaneMaxKey(v);
+    ready = PollSlots(slots, lane, v);  // the next poll goes out before this one's maximum is known
+    const unsigned long long best = WarpMaxKey(mine);
+    if (best > guess) {
+      guess = best;
+      const int row_bytes = kRank * ElementBytes(a.w1_dtype);
+      const char* row = static_cast<const char*>(a.w1) + size_t(ClampIndex(ArgmaxKeyIndex(best), a.v_target)) * row_bytes;
+      if (lane * 128 < row_bytes) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + lane * 128));
     }
   }
+  return WarpMaxKey(LaneMaxKey(v));
 }
 
 // If this CTA's candidate wins, every CTA reads its W1 row next: ask L2 for it now.
@@ -1031,7 +1063,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) {
           const int b = first + u * kWarps;
-          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a, a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
         }
       } else {
         FetchChoices(a.slots, (k - 1) * kMaxBatch, first, kWarps, batch, row);
