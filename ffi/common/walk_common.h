@@ -70,25 +70,23 @@ MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], ui
   }
 }
 
+// x's bits as a To of the same size (C++20's std::bit_cast), on the host and the device.
+template <typename To, typename From>
+MARKOV_HD To BitCast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "BitCast keeps the size");
+  To y;
+  __builtin_memcpy(&y, &x, sizeof(y));
+  return y;
+}
+
 // logf(u) for a normal float u in (0, 1), as the CUDA math library's logf computes it (the same range
 // reduction into [2/3, 4/3), minimax polynomial and roundings, so the same bits) without its branches
 // for zero, infinities and subnormals, which GumbelNoise's u never is: about 6 instructions fewer a
 // value on the GPU. Host code keeps std::log.
 MARKOV_HD float LogOfUnit(float u) {
-  int32_t bits;
-#if defined(__CUDA_ARCH__)
-  bits = __float_as_int(u);
-#else
-  __builtin_memcpy(&bits, &u, sizeof(bits));
-#endif
+  const int32_t bits = BitCast<int32_t>(u);
   const int32_t e = (bits - 0x3f2aaaab) & static_cast<int32_t>(0xff800000u);  // u's exponent, less one where m < 2/3
-  const int32_t m_bits = bits - e;
-  float m;
-#if defined(__CUDA_ARCH__)
-  m = __int_as_float(m_bits);
-#else
-  __builtin_memcpy(&m, &m_bits, sizeof(m));
-#endif
+  const float m = BitCast<float>(bits - e);
   const float f = m - 1.0f;  // exact: m in [2/3, 4/3)
   float p = fmaf(f, -0.130188569426536560059f, 0.140846103429794311523f);
   p = fmaf(f, p, -0.121486276388168334961f);
@@ -146,12 +144,7 @@ MARKOV_HD float GumbelNoise(uint32_t k0, uint32_t k1, uint32_t v, uint32_t posit
 // then flips all bits of a negative score and only the sign bit of a positive one.
 MARKOV_HD uint32_t OrderedScore(float score) {
   const float s = score + 0.0f;
-  uint32_t bits;
-#if defined(__CUDA_ARCH__)
-  bits = __float_as_uint(s);
-#else
-  __builtin_memcpy(&bits, &s, sizeof(bits));
-#endif
+  uint32_t bits = BitCast<uint32_t>(s);
   bits ^= static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u;
 #if defined(__CUDA_ARCH__)
   // The GPU's float arithmetic (the add above) gives every NaN as 0x7FFFFFFF, whose ordered bits
