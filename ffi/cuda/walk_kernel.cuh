@@ -1298,9 +1298,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // out; kAnyDType: a.logits_dtype, by selects, and the logits staged if any), and its Gumbel
       // score, with selects and predicated stores rather than branches. The noise is read only for
       // sampled requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
-      const auto NoiseFreeEpilogue = [&](auto logits_dtype) {
+      // STAGED_NOISE (std::true_type): the launch's base logits are bf16, its logits staged (staged_out)
+      // and its noise staged per tile (noise_pass), known here, so that the rows' loads, stores and
+      // noise take no selects and no store addresses (Session 23: 68 instructions a value at B = 16).
+      const auto NoiseFreeEpilogue = [&](auto logits_dtype, auto staged_noise) {
         constexpr int kOut = decltype(logits_dtype)::value;
+        constexpr bool kKnown = decltype(staged_noise)::value;
         constexpr bool kStage = kOut != kNone && StagesLogits(NT, SPLIT, DIGITS, kOut == kF32);
+        const bool stage_out = kKnown || staged_out;
         uint32_t stored[2][2];  // kStage: an n-tile's stored bits, [h][i % 2]
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
@@ -1313,16 +1318,18 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           for (int h = 0; h < 2; ++h) {
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
-            float l = row < a.vocab_size ? BitsToFloat(h ? base_b[i] : base_a[i], a.base_dtype) + bias : -INFINITY;
+            const uint32_t base_bits = h ? base_b[i] : base_a[i];
+            float l = row < a.vocab_size ? (kKnown ? BaseToFloat<kBF16>(base_bits) : BitsToFloat(base_bits, a.base_dtype)) + bias : -INFINITY;
             if constexpr (kOut == kAnyDType) {
               l = StoreRoundedSelect(nullptr, 0, a.logits_dtype, l, false, &stored[h][i % 2]);
             } else if constexpr (kOut != kNone) {
-              l = StoreRoundedAs<kOut>(a.logits, size_t(out_line) * vocab + row, l,
-                                       owner < batch && row < vocab && !staged_out, &stored[h][i % 2]);
+              l = StoreRoundedAs<kOut>(a.logits, kKnown ? 0 : size_t(out_line) * vocab + row, l,
+                                       !kKnown && owner < batch && row < vocab && !staged_out, &stored[h][i % 2]);
             }
             float score = l;
             if (it > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, it), kWgmma ? noise_src[noise_line + row]
+              score = __fadd_rn(__fmul_rn(l, it), kKnown  ? tile_noise[rq * kTileRows + h * 8 + g]
+                                                   : kWgmma ? noise_src[noise_line + row]
                                                    : noise_pass ? tile_noise[rq * kTileRows + row - row0]
                                                                 : noise[rq * stage_rows + row - first_row]);
             }
@@ -1330,11 +1337,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             best[i] = key > best[i] ? key : best[i];
           }
           if constexpr (kStage) {
-            if (staged_out && i % 2 == 1) StageLogits(i / 2, stored);
+            if (stage_out && i % 2 == 1) StageLogits(i / 2, stored);
           }
         }
         if constexpr (kStage) {
-          if (staged_out) FlushLogits(k, row0);
+          if (stage_out) FlushLogits(k, row0);
         }
       };
       // Every other case. Sampled batches with neither the fill nor the stage compute their noise here;
@@ -1392,16 +1399,18 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         PlainEpilogue(std::integral_constant<int, kF16>());
       } else if (plain) {
         PlainEpilogue(std::integral_constant<int, kF32>());
+      } else if (kNoiseFreeEpilogue && kStagedOut && staged_out && noise_pass && a.logits_dtype == kBF16 && a.base_dtype == kBF16) {
+        NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
       } else if (kNoiseFreeEpilogue && noise_free && a.logits == nullptr) {
-        NoiseFreeEpilogue(std::integral_constant<int, kNone>());
+        NoiseFreeEpilogue(std::integral_constant<int, kNone>(), std::false_type());
       } else if (kNoiseFreeEpilogue && noise_free && a.logits_dtype == kF32) {
-        NoiseFreeEpilogue(std::integral_constant<int, kF32>());
+        NoiseFreeEpilogue(std::integral_constant<int, kF32>(), std::false_type());
       } else if (kNoiseFreeEpilogue && noise_free && a.logits_dtype == kBF16) {
-        NoiseFreeEpilogue(std::integral_constant<int, kBF16>());
+        NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::false_type());
       } else if (kNoiseFreeEpilogue && noise_free) {
-        NoiseFreeEpilogue(std::integral_constant<int, kF16>());
+        NoiseFreeEpilogue(std::integral_constant<int, kF16>(), std::false_type());
       } else if (!kNoiseFreeEpilogue && noise_free && (staged_out || a.logits == nullptr)) {
-        NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>());
+        NoiseFreeEpilogue(std::integral_constant<int, kAnyDType>(), std::false_type());
       } else {
         // At 16 slots a thread, where the epilogue above would spill in four copies, sampled batches
         // that compute their noise come here, and those with logits out that cannot be staged.
