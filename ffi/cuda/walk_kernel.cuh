@@ -822,6 +822,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kAnyDType = -2;
   // Logits staged for 16-byte stores (a.logits_staged): see out_stage.
   constexpr bool kStagedOut = StagesLogits(NT, SPLIT, DIGITS, false);
+  // Whether this kernel reads MarkovWalkNoise's pass (a tile's noise staged at a time) where a launch
+  // gives one; where it does not, sampled rows read the fill's noise ahead or compute their own.
+  constexpr bool kNoisePass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED;
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -861,7 +864,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Step k's noise from MarkovWalkNoise (a.noise), staged a tile ahead per warp: [kWarps][2][B][16]
   // floats. Launch gives a.noise to the kernels that read it and do not stage base logits (the
   // staging kernels' batches' noise always fits ahead).
-  const bool noise_pass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && a.noise != nullptr;
+  const bool noise_pass = kNoisePass && a.noise != nullptr;
   float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
   // Logits out, staged per warp where lanes hold whole requests' columns (not SPLIT, not DIGITS):
   // [NT][2][8] pieces of 16 bytes (request 8 nt + c's rows 8 h .. 8 h + 7 of the tile) of 16-bit
@@ -1298,14 +1301,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // out; kAnyDType: a.logits_dtype, by selects, and the logits staged if any), and its Gumbel
       // score, with selects and predicated stores rather than branches. The noise is read only for
       // sampled requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
-      // STAGED_NOISE (std::true_type): the launch's base logits are bf16, its logits staged (staged_out)
-      // and its noise staged per tile (noise_pass), known here, so that the rows' loads, stores and
-      // noise take no selects and no store addresses (Session 23: 68 instructions a value at B = 16).
-      const auto NoiseFreeEpilogue = [&](auto logits_dtype, auto staged_noise) {
+      // KNOWN (std::true_type): the launch's common form, known here so that the rows' loads, stores
+      // and noise take no selects (Session 23: 68 instructions a value at B = 16): bf16 base logits,
+      // bf16 logits out, staged where this kernel stages them (kStagedOut: no store addresses), and the
+      // noise of sampled rows where this kernel reads it (kNoisePass: the tile's stage, else the fill's).
+      const auto NoiseFreeEpilogue = [&](auto logits_dtype, auto known) {
         constexpr int kOut = decltype(logits_dtype)::value;
-        constexpr bool kKnown = decltype(staged_noise)::value;
+        constexpr bool kKnown = decltype(known)::value;
         constexpr bool kStage = kOut != kNone && StagesLogits(NT, SPLIT, DIGITS, kOut == kF32);
-        const bool stage_out = kKnown || staged_out;
+        const bool stage_out = kKnown ? kStagedOut : staged_out;
         uint32_t stored[2][2];  // kStage: an n-tile's stored bits, [h][i % 2]
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
@@ -1323,12 +1327,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             if constexpr (kOut == kAnyDType) {
               l = StoreRoundedSelect(nullptr, 0, a.logits_dtype, l, false, &stored[h][i % 2]);
             } else if constexpr (kOut != kNone) {
-              l = StoreRoundedAs<kOut>(a.logits, kKnown ? 0 : size_t(out_line) * vocab + row, l,
-                                       !kKnown && owner < batch && row < vocab && !staged_out, &stored[h][i % 2]);
+              const bool direct_store = kKnown ? !kStagedOut : !staged_out;
+              l = StoreRoundedAs<kOut>(a.logits, direct_store ? size_t(out_line) * vocab + row : 0, l,
+                                       direct_store && owner < batch && row < vocab, &stored[h][i % 2]);
             }
             float score = l;
             if (it > 0.0f) {
-              score = __fadd_rn(__fmul_rn(l, it), kKnown  ? tile_noise[rq * kTileRows + h * 8 + g]
+              score = __fadd_rn(__fmul_rn(l, it), kKnown ? (kNoisePass ? tile_noise[rq * kTileRows + h * 8 + g]
+                                                                             : noise[rq * stage_rows + row - first_row])
                                                    : kWgmma ? noise_src[noise_line + row]
                                                    : noise_pass ? tile_noise[rq * kTileRows + row - row0]
                                                                 : noise[rq * stage_rows + row - first_row]);
@@ -1399,7 +1405,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         PlainEpilogue(std::integral_constant<int, kF16>());
       } else if (plain) {
         PlainEpilogue(std::integral_constant<int, kF32>());
-      } else if (kNoiseFreeEpilogue && kStagedOut && staged_out && noise_pass && a.logits_dtype == kBF16 && a.base_dtype == kBF16) {
+      } else if (kNoiseFreeEpilogue && !SPLIT && a.logits != nullptr && a.logits_dtype == kBF16 && a.base_dtype == kBF16 &&
+                 (!kStagedOut || staged_out) && (!any_sampled || (kNoisePass ? noise_pass : a.noise_ahead))) {
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
       } else if (kNoiseFreeEpilogue && noise_free && a.logits == nullptr) {
         NoiseFreeEpilogue(std::integral_constant<int, kNone>(), std::false_type());
