@@ -112,9 +112,13 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # 60008), as it does for the mixed benchmark shapes at B = 64. Otherwise batches of 9 or more whose
 # noise does not fit in shared memory have it made before the walk by MarkovWalkNoise (the mixed
 # benchmark shape at B = 16); at V = 8003 the noise of 40 requests fits in shared memory
-# (MarkovWalkKernel's wgmma kernel fills it).
+# (MarkovWalkKernel's wgmma kernel fills it). bf16 base logits with bf16 logits out take the epilogue
+# specialised for that launch: B = 2 (digits, noise ahead), 4 (staged logits, noise ahead), 12
+# (staged logits, MarkovWalkNoise's noise).
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
+    (2, 7, 151936, jnp.bfloat16, jnp.bfloat16), (4, 5, 151936, jnp.bfloat16, jnp.bfloat16),
+    (12, 3, 151936, jnp.bfloat16, jnp.bfloat16),
     (3, 5, 129280, jnp.bfloat16, jnp.float32), (4, 7, 151936, jnp.float16, jnp.float32),
     (5, 3, 151936, jnp.float32, jnp.float16), (6, 7, 151936, jnp.bfloat16, jnp.float32),
     (2, 16, 248320, jnp.bfloat16, jnp.float32),
@@ -171,12 +175,12 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 
 # 16-bit logits go out 16 bytes a store where V % 8 == 0 (40008 and 100008 end in a half tile): through
 # shared memory in MarkovWalkKernel (3, 8, 16 requests), from registers in the transposed kernel (40
-# mixed and 64 greedy); one value a store otherwise (40009, 100003). 24 and 48 sampled requests at
-# V = 100003 read their noise from MarkovWalkNoise (at 48 in the general epilogue); 40 at V = 100008
-# make it in the transposed kernel.
-@pytest.mark.parametrize("batch,vocab,mode", [(3, 40008, "sampled"), (8, 40009, "sampled"), (16, 40008, "greedy"),
-                                              (24, 100003, "mixed"), (40, 100008, "mixed"), (48, 100003, "mixed"),
-                                              (64, 40008, "greedy")])
+# mixed and 64 greedy); one value a store otherwise (40009, 100003, and 2 requests: the digit
+# kernel). 24 and 48 sampled requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in
+# the general epilogue); 40 at V = 100008 make it in the transposed kernel.
+@pytest.mark.parametrize("batch,vocab,mode", [(2, 40008, "mixed"), (3, 40008, "sampled"), (8, 40009, "sampled"),
+                                              (16, 40008, "greedy"), (24, 100003, "mixed"), (40, 100008, "mixed"),
+                                              (48, 100003, "mixed"), (64, 40008, "greedy")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
 def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
     rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)
