@@ -801,9 +801,10 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
+  static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   constexpr int kWarps = THREADS / 32;
@@ -1305,25 +1306,38 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // and noise take no selects (Session 23: 68 instructions a value at B = 16): bf16 base logits,
       // bf16 logits out, staged where this kernel stages them (kStagedOut: no store addresses), and the
       // noise of sampled rows where this kernel reads it (kNoisePass: the tile's stage, else the fill's).
-      const auto NoiseFreeEpilogue = [&](auto logits_dtype, auto known) {
+      // There the digit kernel splits the rows between lanes (kSplitRows): lane t = 0, 2 computes l of
+      // rows g and g + 8 of request t / 2 and passes row g + 8's to lane t + 1, and each finishes one
+      // (its rounding, store, noise and key) where both did two; step 3 merges lane t + 1's keys.
+      const auto NoiseFreeEpilogue = [&](auto logits_dtype, auto known_form) {
         constexpr int kOut = decltype(logits_dtype)::value;
-        constexpr bool kKnown = decltype(known)::value;
+        constexpr bool kKnown = decltype(known_form)::value;
         constexpr bool kStage = kOut != kNone && StagesLogits(NT, SPLIT, DIGITS, kOut == kF32);
+        constexpr bool kSplitRows = kKnown && DIGITS;
         const bool stage_out = kKnown ? kStagedOut : staged_out;
         uint32_t stored[2][2];  // kStage: an n-tile's stored bits, [h][i % 2]
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          const int owner = SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
+          const int owner = kSplitRows ? t / 2 : SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
           const float it = inv_t[rq];
           const int out_line = rq * steps + k;  // of logits [B, K, V]
           const int noise_line = rq * noise_stride + noise_offset;
           const float unscale_i = UnscaleOf(i);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
+          const auto Logit = [&](int h) {  // l of row g + 8 h, right in the lanes that own a request
             const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             const uint32_t base_bits = h ? base_b[i] : base_a[i];
-            float l = row < a.vocab_size ? (kKnown ? BaseToFloat<kBF16>(base_bits) : BitsToFloat(base_bits, a.base_dtype)) + bias : -INFINITY;
+            return row < a.vocab_size ? (kKnown ? BaseToFloat<kBF16>(base_bits) : BitsToFloat(base_bits, a.base_dtype)) + bias : -INFINITY;
+          };
+          float split_l = 0.0f;
+          if constexpr (kSplitRows) {
+            const float high = __shfl_up_sync(0xffffffffu, Logit(1), 1);
+            split_l = t & 1 ? high : Logit(0);
+          }
+#pragma unroll
+          for (int h = 0; h < (kSplitRows ? 1 : 2); ++h) {
+            const int row = kSplitRows ? (t & 1 ? row_b : row_a) : (h ? row_b : row_a);
+            float l = kSplitRows ? split_l : Logit(h);
             if constexpr (kOut == kAnyDType) {
               l = StoreRoundedSelect(nullptr, 0, a.logits_dtype, l, false, &stored[h][i % 2]);
             } else if constexpr (kOut != kNone) {
@@ -1399,14 +1413,20 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      if (plain && a.base_dtype == kBF16) {
+      if (KNOWN) {
+        NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
+      } else if (plain && a.base_dtype == kBF16) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (plain && a.base_dtype == kF16) {
         PlainEpilogue(std::integral_constant<int, kF16>());
       } else if (plain) {
         PlainEpilogue(std::integral_constant<int, kF32>());
-      } else if (kNoiseFreeEpilogue && !SPLIT && a.logits != nullptr && a.logits_dtype == kBF16 && a.base_dtype == kBF16 &&
-                 (!kStagedOut || staged_out) && (!any_sampled || (kNoisePass ? noise_pass : a.noise_ahead))) {
+      } else if (!DIGITS && kNoiseFreeEpilogue && !SPLIT && a.logits != nullptr && a.logits_dtype == kBF16 &&
+                 a.base_dtype == kBF16 && (!kStagedOut || staged_out) &&
+                 (!any_sampled || (kNoisePass ? noise_pass : a.noise_ahead))) {
+        // The launch's common form. The digit kernel has an instance of its own for it (KNOWN, above,
+        // picked by Launch): its split-row epilogue, compiled beside the others, spilled registers in
+        // the tile loop of every launch.
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
       } else if (kNoiseFreeEpilogue && noise_free && a.logits == nullptr) {
         NoiseFreeEpilogue(std::integral_constant<int, kNone>(), std::false_type());
@@ -1440,6 +1460,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
       for (int m = 4; m < 32; m <<= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
+        best[i] = other > best[i] ? other : best[i];
+      }
+      if (KNOWN) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
+        const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
         best[i] = other > best[i] ? other : best[i];
       }
       const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
@@ -1535,12 +1559,21 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
   const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
-  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false>;
-  if constexpr (NT <= 2) {
-    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true>;
-  }
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, false>;
+  if constexpr (NT <= 2) {
+    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, false>;
+  }
+  // The digit kernel's instance for the known launch form: bf16 base logits and logits out, the noise
+  // (if any row samples) ahead.
+  if constexpr (DIGITS) {
+    if (args.logits != nullptr && args.logits_dtype == kBF16 && args.base_dtype == kBF16 &&
+        (!args.sampling || args.noise_ahead)) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, true>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, true>;
+    }
+  }
   args.noise = nullptr;
   if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
