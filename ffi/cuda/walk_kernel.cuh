@@ -181,6 +181,11 @@ __device__ __forceinline__ void StoreMatrixQuadTransposed(uint32_t addr, uint32_
                "r"(r2), "r"(r3) : "memory");
 }
 
+// 16 int8 values with their sign bits flipped: x + 128 as unsigned bytes, Int8PairToHalf2's input.
+__device__ __forceinline__ uint4 FlipSigns(uint4 q) {
+  return make_uint4(q.x ^ 0x80808080u, q.y ^ 0x80808080u, q.z ^ 0x80808080u, q.w ^ 0x80808080u);
+}
+
 // Two int8 values (bytes 0,1 or 2,3 of w, sign bits already flipped) -> exact fp16 pair:
 // 0x64XX is 1024 + XX in fp16, and XX = x + 128, so subtracting 1152 leaves x.
 __device__ __forceinline__ uint32_t Int8PairToHalf2(uint32_t w, uint32_t selector) {
@@ -834,6 +839,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
+  // Where int8 rows are converted to fp16 (not DIGITS), step 0 stores the resident tiles back with
+  // every byte's sign bit flipped (q + 128, unsigned), the form the conversion starts from, so that
+  // only the streamed tiles flip theirs at every step.
+  constexpr bool kFlippedResident = W2 == kW2Int8 && !DIGITS;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1145,26 +1154,26 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
-      // streamed tile is taken straight from the prefetch registers (row order), a resident one in
-      // fragment order, as step 0 stored it back after loading it (each lane rewrites only its own
-      // chunks; the int8 -> fp16 conversion takes its words from anywhere, so that path keeps its
-      // resident tiles in row order). Two copies of the operand code (no register copies of the
-      // prefetch registers), one of the MMAs and one of the epilogue.
+      // streamed tile is taken straight from the prefetch registers (row order), a resident one as
+      // step 0 stored it back after loading it (each lane rewrites only its own chunks): in fragment
+      // order, or, for the int8 -> fp16 conversion (which takes its words from anywhere), in row order
+      // with its signs flipped. Two copies of the operand code (no register copies of the prefetch
+      // registers), one of the MMAs and one of the epilogue.
       float dot_a[kSlots], dot_b[kSlots];
       uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-      if (active && !streamed && kFragmentOrder && k == 0) {
+      if (active && !streamed && (kFragmentOrder || kFlippedResident) && k == 0) {
         uint4 rows[kChunks];
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
 #pragma unroll
-        for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
+        for (int i = 0; i < kChunks; ++i) slot[i * 32] = kFragmentOrder ? FragmentChunk<W2>(rows, i, true) : FlipSigns(rows[i]);
       }
-      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
-      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
-      // the chunks that `use` reads are loaded).
+      // Calls use(rows_order, flipped, chunks) on the tile's chunks: the prefetch registers of a
+      // streamed tile, or those of a resident one from shared memory (zeros for a warp past its tiles,
+      // whose dot products are not used; only the chunks that `use` reads are loaded).
       const auto WithChunks = [&](const auto& use) {
         if (streamed) {
-          use(true, pre);
+          use(true, false, pre);
         } else {
           uint4 q[kChunks];
           if (active) {
@@ -1174,16 +1183,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
           }
-          use(!kFragmentOrder, q);
+          use(!kFragmentOrder, kFlippedResident, q);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
-      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+      const auto StepOperands = [&](bool rows_order, bool flipped, const uint4 (&chunks)[kChunks], int s) {
         if constexpr (W2 == kW2Int8) {
           // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
           const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+          const uint32_t flip = flipped ? 0u : 0x80808080u;
+          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ flip;
+          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ flip;
           return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
                             Int8PairToHalf2(wb, 0x4342));
         } else {
@@ -1191,7 +1201,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (!kWgmma) {
-        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+        const auto TileDots = [&](bool rows_order, bool flipped, const uint4 (&chunks)[kChunks]) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
 #pragma unroll
@@ -1214,7 +1224,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             float acc[kChains * NT][4] = {};
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
-              const uint4 op = StepOperands(rows_order, chunks, s);
+              const uint4 op = StepOperands(rows_order, flipped, chunks, s);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
@@ -1243,10 +1253,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int h = 0; h < 16 / kBatch; ++h) {
           uint32_t op[kBatch][4];
-          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+          const auto BatchOperands = [&](bool rows_order, bool flipped, const uint4 (&chunks)[kChunks]) {
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
-              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i);
+              const uint4 v = StepOperands(rows_order, flipped, chunks, kBatch * h + i);
               op[i][0] = v.x;
               op[i][1] = v.y;
               op[i][2] = v.z;
