@@ -264,31 +264,40 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
   return v;
 }
 
-// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
-// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
-__device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
+// The direct exchange's keys of N requests at step k: each the maximum over every CTA's slot of
+// `lines[u]` (request u's slots; nullptr: none, its key left 1), once all of them are published (a
+// published key is never 0). One polling loop for all N, so that a warp gathering several requests
+// waits for them together. The whole warp calls it; every lane gets the keys.
+template <int N>
+__device__ __forceinline__ void GatherKeys(const unsigned long long* const (&lines)[N], int lane, unsigned long long (&key)[N]) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
-  unsigned long long v[kPerLane];
+  unsigned long long v[N][kPerLane];
   bool ready;
   do {
     ready = true;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      v[i] = 1;
-      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
-      ready = ready && v[i] != 0;
+    for (int u = 0; u < N; ++u) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[u][i] = 1;
+        if (lines[u] != nullptr && c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[u][i]) : "l"(lines[u] + c) : "memory");
+        ready = ready && v[u][i] != 0;
+      }
     }
   } while (!__all_sync(0xffffffffu, ready));
-  unsigned long long best = v[0];
 #pragma unroll
-  for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
+  for (int u = 0; u < N; ++u) {
+    unsigned long long best = v[u][0];
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
-    best = other > best ? other : best;
+    for (int i = 1; i < kPerLane; ++i) best = v[u][i] > best ? v[u][i] : best;
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
+      best = other > best ? other : best;
+    }
+    key[u] = best;
   }
-  return best;
 }
 
 // The exchange above kDirectBatch: N requests' choices of the step whose keys start at slots[step0]
@@ -813,6 +822,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
+  static_assert(kDirectPerWarp <= kRowsPerPass, "a warp gathers its direct requests in one pass");
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
@@ -1036,12 +1046,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // A warp walks at most kDirectPerWarp requests here.
+        // A warp walks at most kDirectPerWarp requests here, gathered together.
+        const unsigned long long* lines[kDirectPerWarp];
+        unsigned long long key[kDirectPerWarp];
 #pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
+        for (int u = 0; u < kDirectPerWarp; ++u) {
           const int b = first + u * kWarps;
-          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+          lines[u] = b < batch ? a.slots + size_t((k - 1) * batch + b) * gridDim.x : nullptr;
         }
+        GatherKeys(lines, lane, key);
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] = 0;
+#pragma unroll
+        for (int u = 0; u < kDirectPerWarp; ++u) row[u] = lines[u] != nullptr ? int(ArgmaxKeyIndex(key[u])) : 0;
       } else {
         FetchChoices(a.slots, (k - 1) * kMaxBatch, first, kWarps, batch, row);
       }
@@ -1540,10 +1557,11 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
 // MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
-  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
-  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
-  // batches hold more registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
+  // Int8 W2 up to 16 columns: 16 warps for 1-2 requests (at most 128 registers), since a tile is a
+  // chain of latencies that other warps cover, and 12 for 3-16 (at most 168), which share a CTA's 72
+  // tiles at V = 151936 on 132 SMs evenly (16 warps leave half of them a fifth tile to score while
+  // the others wait). 16-bit W2 tiles and wider batches hold more registers per lane.
+  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? (DIGITS ? 512 : 384) : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
