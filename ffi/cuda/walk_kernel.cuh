@@ -212,12 +212,17 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 // Where the step's B fragments live in shared memory: the 32-bit word of column n, k = 2 kp + 8 half
 // (and k + 1) at k-step s. For wgmma (WG), per k-step a [16 x 8 NT] block in the canonical K-major
 // layout without swizzle: core matrices of 8 columns x 8 k (128 contiguous bytes, 16 per column), the
-// two k-halves of a k-step 128 bytes apart, groups of 8 columns 256 bytes apart. For mma.sync, the
-// fragment of lane (n & 7, kp) of n-tile n / 8 at k-step s, as one 8-byte load: [NT][16][32 lanes].
+// two k-halves of a k-step 128 bytes apart, groups of 8 columns 256 bytes apart. For mma.sync (NT
+// <= 2), the fragments of lane (n & 7, kp) of every n-tile at k-step s, as one 8- or 16-byte load:
+// [16][32 lanes][NT][2 words].
 template <int NT, bool WG>
 __device__ __forceinline__ int FragWord(int s, int n, int half, int kp) {
-  if constexpr (WG) return s * 64 * NT + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + kp;
-  return 2 * (((n >> 3) * 16 + s) * 32 + (n & 7) * 4 + kp) + half;
+  if constexpr (WG) {
+    return s * 64 * NT + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + kp;
+  } else {
+    static_assert(NT <= 2, "the mma.sync kernels walk one or two n-tiles");
+    return 2 * NT * (s * 32 + (n & 7) * 4 + kp) + 2 * (n >> 3) + half;
+  }
 }
 template <int NT>
 constexpr int kFragStepBytes = 256 * NT;
@@ -855,7 +860,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kGroupNoise = kWgmma;
   constexpr int kNoiseGroup = kGroupNoise ? 2 : 1;
   constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
-  constexpr int kChains = NT == 1 ? 2 : 1;
+  constexpr int kChains = NT <= 2 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
@@ -1232,10 +1237,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
               const uint4 op = StepOperands(rows_order, chunks, s);
+              uint32_t bf[2 * NT];  // k-step s's B fragments of every n-tile, in one load
+              if constexpr (NT == 2) {
+                const uint4 both = reinterpret_cast<const uint4*>(frag)[s * 32 + lane];
+                bf[0] = both.x, bf[1] = both.y, bf[2] = both.z, bf[3] = both.w;
+              } else {
+                const uint2 one = reinterpret_cast<const uint2*>(frag)[s * 32 + lane];
+                bf[0] = one.x, bf[1] = one.y;
+              }
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
-                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
-                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
+                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf[2 * nt], bf[2 * nt + 1]);
               }
             }
 #pragma unroll
