@@ -424,19 +424,29 @@ __device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k
 // 2^n for n in [-126, 127], a normal float: multiplying by it gives ldexpf(x, n), in one instruction.
 __device__ __forceinline__ float Pow2(int n) { return __int_as_float((n + 127) << 23); }
 
-// The shift that brings the row's largest |e| into [2^(top - 1), 2^top) (at most max_shift; 0 for
-// a zero or non-finite row). Lane 0 records 2^-shift, which undoes it exactly after the dot product.
-// amax's biased exponent field is frexpf's exponent + 126 where amax is normal; a subnormal amax
-// reads as 2^-126 and gets max_shift either way (top + 126 > max_shift). With top <= 22 and
-// max_shift <= 126, shift and -shift are in Pow2's range.
-__device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_shift, int lane, float* unscale) {
+// The shift that brings a row's largest |e|, amax, into [2^(top - 1), 2^top) (at most max_shift; 0
+// for a zero or non-finite row). amax's biased exponent field is frexpf's exponent + 126 where amax
+// is normal; a subnormal amax reads as 2^-126 and gets max_shift either way (top + 126 >
+// max_shift). With top <= 22 and max_shift <= 126, shift and -shift are in Pow2's range.
+__device__ __forceinline__ int ShiftOfMax(float amax, int top, int max_shift) {
+  int shift = 0;
+  if (amax > 0.0f && amax <= 3.0e38f) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
+  return shift;
+}
+// The largest |e| of a lane's 8 elements (NaNs ignored).
+__device__ __forceinline__ float LaneAbsMax(const float (&e)[8]) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
+  return amax;
+}
+// A row's shift (ShiftOfMax of the largest |e| of the warp's lanes); lane 0 records 2^-shift, which
+// undoes it exactly after the dot product.
+__device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_shift, int lane, float* unscale) {
+  float amax = LaneAbsMax(e);
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-  int shift = 0;
-  if (amax > 0.0f && amax <= 3.0e38f) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
+  const int shift = ShiftOfMax(amax, top, max_shift);
   if (lane == 0) *unscale = Pow2(-shift);
   return shift;
 }

@@ -128,22 +128,44 @@ static_assert(DigitLayout<true, false>::Consistent() && DigitLayout<false, false
                   DigitLayout<false, true>::Consistent(),
               "each warpgroup reads every request's digits where Request says");
 
-// Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`, laid out as
-// Digits, a DigitLayout); records the unscale and writes the embeds row as MarkovWalkKernel does.
-template <typename Digits>
-__device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
-                                               int8_t* digits, float* unscale) {
-  float e[8];
-  LoadRowAndEmbeds(a, b, k, lane, raw, e);
-  const int shift = RowShift(e, 14, 126, lane, unscale + b);
-  uint32_t words[2][2] = {};
-  DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
+// The e of requests first + p * stride (p < N) below the batch (lane L: e[8L .. 8L+7]; raw: their W1
+// words) as two int8 digits each in the A operands (`digits`, laid out as Digits, a DigitLayout);
+// records their unscales and writes their embeds rows as MarkovWalkKernel does. Phase by phase over
+// all N rows, so that their warp-wide maxima shuffle side by side: a request at a time, each one's
+// chain of five shuffles behind its own branches made this the longest phase of a step after the
+// score at B = 64 (benchmarks/NOTES.md, Session 26).
+template <typename Digits, int N>
+__device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int first, int stride, int k, int lane,
+                                               const uint4 (&raw)[N][2], int8_t* digits, float* unscale) {
+  float e[N][8] = {}, amax[N];
 #pragma unroll
-  for (int d = 0; d < 2; ++d) {
-    const uint2 bytes = make_uint2(words[d][0], words[d][1]);
-    *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane)) = bytes;
-    if (Digits::kRows > 64 && Digits::Row(b, d) < Digits::kRows - 64) {  // its copy 64 rows (8 x 256 bytes) on
-      *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane) + 8 * 256) = bytes;
+  for (int p = 0; p < N; ++p) {
+    amax[p] = 0.0f;
+    if (first + p * stride < a.batch) {
+      LoadRowAndEmbeds(a, first + p * stride, k, lane, raw[p], e[p]);
+      amax[p] = LaneAbsMax(e[p]);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+#pragma unroll
+    for (int p = 0; p < N; ++p) amax[p] = fmaxf(amax[p], __shfl_xor_sync(0xffffffffu, amax[p], m));
+  }
+#pragma unroll
+  for (int p = 0; p < N; ++p) {
+    const int b = first + p * stride;
+    if (b >= a.batch) break;
+    const int shift = ShiftOfMax(amax[p], 14, 126);
+    if (lane == 0) unscale[b] = Pow2(-shift);
+    uint32_t words[2][2] = {};
+    DigitWords(e[p], Pow2(shift), words);  // the high digit within [-64, 64]
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+      const uint2 bytes = make_uint2(words[d][0], words[d][1]);
+      *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane)) = bytes;
+      if (Digits::kRows > 64 && Digits::Row(b, d) < Digits::kRows - 64) {  // its copy 64 rows (8 x 256 bytes) on
+        *reinterpret_cast<uint2*>(digits + Digits::Offset(b, d, 8 * lane) + 8 * 256) = bytes;
+      }
     }
   }
 }
@@ -318,11 +340,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       if (k < steps) {
         uint4 w1_raw[kPerWarp][2];
         LoadW1Rows(a, row, lane, w1_raw);
-#pragma unroll
-        for (int p = 0; p < kPerWarp; ++p) {
-          const int b = warp + p * kWarps;
-          if (b < batch) BuildTwoDigits<Digits>(a, b, k, lane, w1_raw[p], digits, unscale);
-        }
+        BuildTwoDigits<Digits>(a, warp, kWarps, k, lane, w1_raw, digits, unscale);
       }
     }
     if (k == steps) {
