@@ -1565,15 +1565,6 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, false>;
   }
-  // The digit kernel's instance for the known launch form: bf16 base logits and logits out, the noise
-  // (if any row samples) ahead.
-  if constexpr (DIGITS) {
-    if (args.logits != nullptr && args.logits_dtype == kBF16 && args.base_dtype == kBF16 &&
-        (!args.sampling || args.noise_ahead)) {
-      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, true>
-                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, true>;
-    }
-  }
   args.noise = nullptr;
   if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
@@ -1592,6 +1583,17 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
+  // The digit kernel's instance for the known launch form: bf16 base logits and logits out, the noise
+  // (if any row samples) ahead, where at least half of a CTA's tiles are resident: its epilogue pays
+  // on resident tiles and loses on streamed ones (V = 151936 and 129280 against 248320, B = 1
+  // sampled; benchmarks/NOTES.md, Session 26).
+  if constexpr (DIGITS) {
+    if (args.logits != nullptr && args.logits_dtype == kBF16 && args.base_dtype == kBF16 &&
+        (!args.sampling || args.noise_ahead) && 2 * args.resident_tiles >= args.tiles_per_cta) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, true>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, true>;
+    }
+  }
   const int smem = fixed + args.resident_tiles * kTileBytes;
   const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kThreads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the kernel", prepared);
