@@ -782,9 +782,11 @@ struct Smem {
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
-// streamed tiles spread evenly among its resident ones, starting with one, so each streamed
-// tile's load is issued a few tiles before it is needed (the first one before the step begins).
-template <int kWarps>
+// streamed tiles spread evenly among its resident ones, so each streamed tile's load is issued a
+// few tiles before it is needed: starting with one (its load issued before the step begins), or
+// (LATE) each in the middle of its share of the order, so that the first one stands first only
+// where more than half of the warp's tiles stream (StreamsFirst) and otherwise may load late.
+template <int kWarps, bool LATE>
 struct WarpTiles {
   int warp, resident, n_resident, n_streamed;
   __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
@@ -798,7 +800,11 @@ struct WarpTiles {
     return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
   }
   // The position in the warp's order of streamed tile `is` (past the end once all are scored).
-  __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
+  __device__ int StreamedSlot(int is) const {
+    if (is >= n_streamed) return total();
+    return LATE ? ((2 * is + 1) * total()) / (2 * n_streamed) : (is * total()) / n_streamed;
+  }
+  __device__ bool StreamsFirst() const { return n_streamed > 0 && StreamedSlot(0) == 0; }
 };
 
 template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN>
@@ -816,6 +822,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
+  // Int8 tiles: a warp's first streamed tile, where a resident one precedes it, loads once the
+  // choice is in (WarpTiles); the 16-bit tiles' kernels (twice the registers a tile) spill that way.
+  constexpr bool kLateFirstStream = W2 == kW2Int8;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
@@ -884,12 +893,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
-  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  const WarpTiles<kWarps, kLateFirstStream> tiles(warp, a.resident_tiles, my_tiles);
   // wgmma is warpgroup-wide: the four warps of a warpgroup run as many tile iterations as the busiest
   // of them, a warp past its own tiles with zero operands and no epilogue.
   int loop_tiles = tiles.total();
   if constexpr (kWgmma) {
-    for (int w = warp & ~3; w <= (warp | 3); ++w) loop_tiles = max(loop_tiles, WarpTiles<kWarps>(w, a.resident_tiles, my_tiles).total());
+    for (int w = warp & ~3; w <= (warp | 3); ++w) loop_tiles = max(loop_tiles, WarpTiles<kWarps, kLateFirstStream>(w, a.resident_tiles, my_tiles).total());
   }
   const uint64_t frag_desc = FragDescriptor(frag);
   // Small batches exchange keys through one slot per CTA (slots[(k * batch + b) * grid + cta]).
@@ -1014,7 +1023,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
-        if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+        if (tiles.StreamsFirst()) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1081,6 +1090,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
     Stamp(a, k, 3);
+    // A first streamed tile that a resident one precedes loads only now: issued before the wait,
+    // every warp's 4 KB (int8) would queue ahead of the choice's loads in the SM's memory pipeline.
+    if (k > 0 && tiles.n_streamed > 0 && !tiles.StreamsFirst()) {
+      LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+    }
 
     // 2. Score this warp's tiles; keep the best key per owned request in registers.
     uint4 digit_frag[4];  // DIGITS: lane (g, t)'s B fragments, column g at k = 64q + 16t .. +15
