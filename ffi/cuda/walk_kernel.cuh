@@ -361,9 +361,39 @@ __device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int ti
   }
 }
 
+// The CTA barrier of a walk's scoring threads: __syncthreads() where every thread scores (SCORERS 0),
+// else named barrier 1 of the SCORERS threads, while noise producer warps (ProduceNoise) run apart.
+template <int SCORERS>
+__device__ __forceinline__ void ScorersSync() {
+  if constexpr (SCORERS == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 1, %0;" ::"n"(SCORERS) : "memory");
+  }
+}
+
+template <int SCORERS>
+__device__ __forceinline__ bool ScorersSyncOr(bool p) {
+  if constexpr (SCORERS == 0) {
+    return __syncthreads_or(p);
+  } else {
+    uint32_t any;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.u32 p, %1, 0;\n"
+        "bar.red.or.pred q, 1, %2, p;\n"
+        "selp.u32 %0, 1, 0, q;\n"
+        "}\n"
+        : "=r"(any) : "r"(uint32_t(p)), "n"(SCORERS) : "memory");
+    return any != 0;
+  }
+}
+
 // Step k's key of every request from this CTA (cta_best, left zeroed): its own slot per request with
 // the direct exchange (always a key: 1 is no candidate here), else one atomicMax per request and an
 // arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row.
+template <int SCORERS = 0>
 __device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direct, int batch, int steps,
                                             unsigned long long* cta_best, int tid) {
   if (tid < batch) {
@@ -379,7 +409,7 @@ __device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direc
     cta_best[tid] = 0;
   }
   if (!direct) {
-    __syncthreads();
+    ScorersSync<SCORERS>();
     Arrive(a, tid);
   }
 }
@@ -567,8 +597,12 @@ __host__ __device__ constexpr bool StagesLogits(int nt, bool split, bool digits,
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
 // completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
 
-__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, uint32_t arrivals = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(arrivals) : "memory");
+}
+
+__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
@@ -779,6 +813,9 @@ struct Smem {
   __host__ __device__ static constexpr int OutStageBytes(bool f32) { return (f32 ? 2 : 1) * kOutStageBytes; }
 };
 
+// A tile's noise for up to 16 requests: 16 rows x 16 requests over 32 lanes.
+constexpr int kMaxBatchPerTileNoise = 8;
+
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
@@ -801,13 +838,90 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN>
-__global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
+// Noise producer warp p of a walk whose kWarps scoring warps read a noise stage (two tiles' [B][16]
+// floats a warp, buffer u % 2 for a warp's u-th tile counted over all steps): step k's Gumbel noise
+// of every tile of scoring warps p, p + PRODUCERS, ..., in the order each scores them, taking turns
+// tile by tile. A buffer is filled once its warp has released it (`empty`, one arrival a tile
+// scored) and handed over on `full` (32 arrivals: every lane's stores). The noise depends on
+// neither the walk nor W2, so the producers run up to two tiles ahead of each warp, across steps.
+// Lane l makes row l % 16 of requests l / 16 + 2 i (8 Philox chains, one a request pair's slot).
+template <int kWarps, int PRODUCERS>
+__device__ __forceinline__ void ProduceNoise(const WalkArgs& a, float* noise_stage, uint64_t* full, uint64_t* empty, int p,
+                                             int lane, int first_tile, int my_tiles) {
+  static_assert(kWarps % PRODUCERS == 0, "each producer serves as many warps");
+  constexpr int kServed = kWarps / PRODUCERS;
+  constexpr int kChains = kMaxBatchPerTileNoise;
+  const int batch = a.batch, r = lane & 15;
+  uint32_t k0[kChains], k1[kChains], pos0[kChains];
+  bool keep[kChains];
+#pragma unroll
+  for (int i = 0; i < kChains; ++i) {
+    const int rq = (lane >> 4) + 2 * i;
+    keep[i] = rq < batch;
+    const int b = min(rq, batch - 1);
+    k0[i] = a.key[2 * b];
+    k1[i] = a.key[2 * b + 1];
+    pos0[i] = static_cast<uint32_t>(a.position[b]);
+  }
+  int used[kServed];  // tiles of warp p + c * PRODUCERS so far, over all steps
+#pragma unroll
+  for (int c = 0; c < kServed; ++c) used[c] = 0;
+  for (int k = 0; k < a.steps; ++k) {
+    int im[kServed], is[kServed], streamed_slot[kServed], total[kServed];
+    int most = 0;
+#pragma unroll
+    for (int c = 0; c < kServed; ++c) {
+      const WarpTiles<kWarps> tiles(p + c * PRODUCERS, a.resident_tiles, my_tiles);
+      im[c] = is[c] = 0;
+      streamed_slot[c] = tiles.StreamedSlot(0);
+      total[c] = tiles.total();
+      most = max(most, total[c]);
+    }
+    uint32_t pos[kChains];
+#pragma unroll
+    for (int i = 0; i < kChains; ++i) pos[i] = pos0[i] + uint32_t(k);
+    for (int n = 0; n < most; ++n) {
+#pragma unroll
+      for (int c = 0; c < kServed; ++c) {
+        if (n >= total[c]) continue;
+        const int w = p + c * PRODUCERS;
+        const WarpTiles<kWarps> tiles(w, a.resident_tiles, my_tiles);
+        // The warp's n-th tile this step, as MarkovWalkKernel's tile loop walks them.
+        const bool streamed = streamed_slot[c] == n;
+        const int j = tiles.Local(streamed, streamed ? is[c] : im[c]);
+        if (streamed) {
+          streamed_slot[c] = tiles.StreamedSlot(++is[c]);
+        } else {
+          ++im[c];
+        }
+        const int u = used[c]++;
+        const uint32_t s = u & 1;
+        if (u >= 2) MbarrierWait(&empty[2 * w + s], ((u >> 1) + 1) & 1);
+        uint32_t v[kChains];
+        float g[kChains];
+#pragma unroll
+        for (int i = 0; i < kChains; ++i) v[i] = uint32_t((first_tile + j) * kTileRows + r);
+        GumbelNoise<kChains>(k0, k1, v, pos, g);
+        float* buffer = noise_stage + (size_t(w) * 2 + s) * batch * kTileRows;
+#pragma unroll
+        for (int i = 0; i < kChains; ++i) {
+          if (keep[i]) buffer[((lane >> 4) + 2 * i) * kTileRows + r] = g[i];
+        }
+        MbarrierArrive(&full[2 * w + s]);
+      }
+    }
+  }
+}
+
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN, int PRODUCERS = 0>
+__global__ void __launch_bounds__(THREADS + 32 * PRODUCERS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
-  constexpr int kWarps = THREADS / 32;
+  static_assert(PRODUCERS == 0 || (NT == 2 && !SPLIT && !DIGITS && !STAGED), "noise producers fill 16-request tiles");
+  constexpr int kWarps = THREADS / 32;  // scoring warps; the PRODUCERS noise warps come after them
+  constexpr int kScorers = PRODUCERS > 0 ? THREADS : 0;  // ScorersSync's count (0: the whole CTA)
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
@@ -865,7 +979,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Step k's noise from MarkovWalkNoise (a.noise), staged a tile ahead per warp: [kWarps][2][B][16]
   // floats. Launch gives a.noise to the kernels that read it and do not stage base logits (the
   // staging kernels' batches' noise always fits ahead).
-  const bool noise_pass = kNoisePass && a.noise != nullptr;
+  const bool noise_pass = PRODUCERS > 0 || (kNoisePass && a.noise != nullptr);
   float* noise_stage = noise + (a.noise_ahead ? a.batch * stage_rows : 0);
   // Logits out, staged per warp where lanes hold whole requests' columns (not SPLIT, not DIGITS):
   // [NT][2][8] pieces of 16 bytes (request 8 nt + c's rows 8 h .. 8 h + 7 of the tile) of 16-bit
@@ -873,7 +987,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const bool staged_out = kStagedOut && a.logits_staged;
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
   const int out_stage_bytes = Smem<NT>::OutStageBytes(f32_out);  // a warp's
-  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
+  // With noise producers, each scoring warp's two `empty` mbarriers follow the stage.
+  uint64_t* noise_empty = reinterpret_cast<uint64_t*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_empty + (PRODUCERS > 0 ? 2 * kWarps : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -897,8 +1013,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
+  if constexpr (PRODUCERS > 0) {
+    if (tid < 2 * kWarps) {
+      MbarrierInit(&noise_bar[tid], 32);
+      MbarrierInit(&noise_empty[tid]);
+    }
+    __syncthreads();
+    if (warp >= kWarps) {
+      ProduceNoise<kWarps, PRODUCERS>(a, noise_stage, noise_bar, noise_empty, warp - kWarps, lane, first_tile, my_tiles);
+      return;
+    }
+  }
   for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
-  if (noise_pass && lane < 2) {
+  if (PRODUCERS == 0 && noise_pass && lane < 2) {
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -938,7 +1065,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
   }
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
+  const bool any_sampled = ScorersSyncOr<kScorers>(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
   // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
   const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
@@ -949,6 +1076,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // greedy requests' lines are never read) into buffer s. Its previous tile was read by this warp's
   // ordinary loads, which the fence orders before the copy's writes.
   const auto StageNoise = [&](int k, int row0, uint32_t s) {
+    if constexpr (PRODUCERS > 0) return;  // the producer warps fill the stage
     float* buffer = noise_stage + (size_t(warp) * 2 + s) * batch * kTileRows;
     FenceSharedForAsyncProxy();
     __syncwarp();
@@ -1022,7 +1150,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       Stamp(a, k, 1);
       if (!direct) {
         WaitForArrivals(a, k, tid);
-        __syncthreads();
+        ScorersSync<kScorers>();
       }
       Stamp(a, k, 2);
     }
@@ -1079,7 +1207,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if (STAGED) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
-    __syncthreads();
+    ScorersSync<kScorers>();
     Stamp(a, k, 3);
 
     // 2. Score this warp's tiles; keep the best key per owned request in registers.
@@ -1443,6 +1571,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         // that compute their noise come here, and those with logits out that cannot be staged.
         GeneralEpilogue();
       }
+      if constexpr (PRODUCERS > 0) {  // this tile's noise is read: its buffer goes back to the producer
+        __syncwarp();
+        if (lane == 0) MbarrierArrive(&noise_empty[2 * warp + ((noise_tiles - 1) & 1)]);
+      }
       if (kBaseAhead) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
@@ -1469,23 +1601,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
       if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
     }
-    __syncthreads();
+    ScorersSync<kScorers>();
     Stamp(a, k, 4);
 
     // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
     //    its prefetches are issued. A direct slot always gets a key (1: no candidate here).
-    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
+    PublishKeys<kScorers>(a, k, direct, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 
   // The last CTA out leaves the workspace zeroed for the next call on this stream.
-  __syncthreads();
+  ScorersSync<kScorers>();
   if (tid == 0) {
     __threadfence();
     *last_out = atomicAdd(&a.counters[1], 1u) == gridDim.x - 1;
     __threadfence();
   }
-  __syncthreads();
+  ScorersSync<kScorers>();
   if (*last_out) {
     const int used = direct ? steps * batch * gridDim.x : steps * kMaxBatch;
     for (int i = tid; i < used; i += THREADS) a.slots[i] = 0;
@@ -1574,29 +1706,44 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, true>;
     }
   }
+  // Sampled launches of 9-16 requests whose noise does not fit ahead make it in the walk: 4 producer
+  // warps (ProduceNoise) beside 12 scoring warps, rather than MarkovWalkNoise before it.
+  constexpr bool kCanProduce = NT == 2 && !SPLIT && !DIGITS && W2 == kW2Int8;
+  constexpr int kProducers = 4, kProducerScorers = 384;
+  const bool produce = kCanProduce && args.sampling && !args.noise_ahead && !stage;
+  int threads = kThreads, scorer_warps = kThreads / 32;
+  if constexpr (kCanProduce) {
+    if (produce) {
+      kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kProducerScorers, false, false, kProducers>;
+      threads = kProducerScorers + 32 * kProducers;
+      scorer_warps = kProducerScorers / 32;
+    }
+  }
   args.noise = nullptr;
-  if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
+  if (!produce && ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
     MarkovWalkNoise<kNoiseChains><<<noise_grid, kNoiseThreads, 0, stream>>>(args, noise_buffer);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
-  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
+  const int noise_stage_bytes = produce ? scorer_warps * (Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) + 2 * 8)
+                                : args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float))
+                                                        : 0;
   // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
   // that every store is aligned and a tile's rows past V are whole pieces).
   args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
                        args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::OutStageBytes(args.logits_dtype == kF32) : 0;
+  const int out_stage_bytes = args.logits_staged ? scorer_warps * Smem<NT>::OutStageBytes(args.logits_dtype == kF32) : 0;
   const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
-  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kThreads, props);
+  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, threads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the kernel", prepared);
   void* params[] = {&args};
-  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kThreads), params, smem, stream);
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(threads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel", err);
   return ffi::Error::Success();
 }
