@@ -816,6 +816,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
   constexpr bool kBaseAhead = NT <= 4;
+  // Int8 tiles: once a warp's last streamed tile of step k is scored, its prefetch registers take
+  // step k + 1's first streamed tile (the same tile every step), so that its load leaves while the
+  // CTA still scores and exchanges rather than with every warp's at the top of the next step. The
+  // 16-bit tiles (twice the registers a tile) and the digit kernel (whose registers spill so) keep
+  // theirs at the top of the step.
+  constexpr bool kStreamAcrossSteps = W2 == kW2Int8 && !DIGITS;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
@@ -1014,7 +1020,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
-        if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+        if (!kStreamAcrossSteps && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1263,7 +1269,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           dot_b[i] = SPLIT ? d[4 * nt + 2] + d[4 * nt + 3] : d[4 * nt + 2 + c];
         }
       }
-      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      if (streamed && (is < tiles.n_streamed || (kStreamAcrossSteps && k + 1 < steps))) {
+        LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is < tiles.n_streamed ? is : 0)), g, t, pre);
+      }
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
