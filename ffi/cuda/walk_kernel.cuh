@@ -792,9 +792,10 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
 // logits and the Gumbel noise (small batches), then the resident W2 tiles.
-template <int NT>
+template <int NT, bool PAIRS = false>
 struct Smem {
-  static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
+  // B for 16 k-steps (FragWord), or for PAIRS 8 k32-steps of int8 digits (BuildDigitPairs).
+  static constexpr int kFragBytes = (PAIRS ? 8 : 16) * kFragStepBytes<NT>;
   // + the last-CTA flag, then two mbarriers a warp (the noise stage).
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
@@ -876,7 +877,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
-  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT, PAIRS>::kFragBytes);
   int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
   float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
   float* inv_t = unscale + kMaxBatch;
@@ -885,7 +886,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
   uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
-  float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
+  float* scales = reinterpret_cast<float*>(smem + Smem<NT, PAIRS>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
@@ -899,8 +900,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // values; f32 values as two such arrays, their high halves and their low halves.
   const bool staged_out = kStagedOut && a.logits_staged;
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
-  const int out_stage_bytes = Smem<NT>::OutStageBytes(f32_out);  // a warp's
-  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
+  const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -924,7 +925,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
-  for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
   if (noise_pass && lane < 2) {
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -995,7 +996,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   unsigned char* out_buffer = out_stage + warp * out_stage_bytes;
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
-  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT>::kOutStageBytes : 0);
+  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT, PAIRS>::kOutStageBytes : 0);
   const auto StageLogits = [&](int nt, const uint32_t (&stored)[2][2]) {
     const uint32_t low0 = __byte_perm(stored[0][0], stored[0][1], 0x5410), low1 = __byte_perm(stored[1][0], stored[1][1], 0x5410);
     if (f32_out) {
@@ -1014,7 +1015,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const size_t at = (size_t(rq) * steps + k) * vocab + row;
         const uint4 piece = *reinterpret_cast<const uint4*>(out_buffer + p * 16);
         if (f32_out) {
-          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT>::kOutStageBytes + p * 16);
+          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT, PAIRS>::kOutStageBytes + p * 16);
           uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(a.logits) + at);
           __stcs(dst, make_uint4(__byte_perm(low.x, piece.x, 0x5410), __byte_perm(low.x, piece.x, 0x7632),
                                  __byte_perm(low.y, piece.y, 0x5410), __byte_perm(low.y, piece.y, 0x7632)));
@@ -1635,13 +1636,13 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
-  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT, PAIRS>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
   // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
   // that every store is aligned and a tile's rows past V are whole pieces).
   args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
                        args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::OutStageBytes(args.logits_dtype == kF32) : 0;
-  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
+  const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
