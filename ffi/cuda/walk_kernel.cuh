@@ -461,6 +461,17 @@ __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32
   }
 }
 
+// Request b's e (lane L: e[8L .. 8L+7]) as E = rint(e 2^shift), max |E| in [2^(top - 1), 2^top), in N
+// balanced int8 digits (DigitWords); records the unscale and writes the embeds row (LoadRowAndEmbeds).
+template <int N>
+__device__ __forceinline__ void RowDigitWords(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2], int top,
+                                              float* unscale, uint32_t (&words)[N][2]) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const int shift = RowShift(e, top, 126, lane, unscale + b);
+  DigitWords(e, Pow2(shift), words);
+}
+
 // Small batches (B <= 2) score with int8 tensor cores, with no conversion of W2 at all: e is
 // written as a 24-bit integer E = rint(e * 2^shift) (max |E| in [2^21, 2^22)) in three balanced
 // int8 digits, E = d0 + 2^8 d1 + 2^16 d2, and each digit is its own B column (column 3b + d). The
@@ -468,11 +479,8 @@ __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32
 // Lane L writes digit d of e[8L .. 8L+7] to bytes 8L .. 8L+7 of row 3b + d of `digits` ([8][256]).
 __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                             int8_t* digits, float* unscale) {
-  float e[8];
-  LoadRowAndEmbeds(a, b, k, lane, raw, e);
-  const int shift = RowShift(e, 22, 126, lane, unscale + b);
   uint32_t words[3][2] = {};
-  DigitWords(e, Pow2(shift), words);
+  RowDigitWords(a, b, k, lane, raw, 22, unscale, words);
 #pragma unroll
   for (int d = 0; d < 3; ++d) {
     reinterpret_cast<uint2*>(digits + (3 * b + d) * kRank)[lane] = make_uint2(words[d][0], words[d][1]);
@@ -528,11 +536,8 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
 template <int NT>
 __device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                 uint32_t* frag, float* unscale) {
-  float e[8];
-  LoadRowAndEmbeds(a, b, k, lane, raw, e);
-  const int shift = RowShift(e, 14, 126, lane, unscale + b);
   uint32_t words[2][2] = {};
-  DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
+  RowDigitWords(a, b, k, lane, raw, 14, unscale, words);  // the high digit within [-64, 64]
   const int j = 2 * (lane >> 3) + (lane & 1), t = (lane >> 1) & 3;
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
