@@ -254,6 +254,9 @@ __device__ __forceinline__ float DigitsToFloat(int d0, int d1, int d2) {
   return __fmaf_rn(float(d2), 65536.0f, __fmaf_rn(float(d1), 256.0f, float(d0)));
 }
 
+// d0 + 2^8 d1 from two exact int32 digit sums (|d| < 2^22), rounded once.
+__device__ __forceinline__ float DigitPairToFloat(int d0, int d1) { return __fmaf_rn(float(d1), 256.0f, float(d0)); }
+
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
@@ -458,6 +461,17 @@ __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32
   }
 }
 
+// Request b's e (lane L: e[8L .. 8L+7]) as E = rint(e 2^shift), max |E| in [2^(top - 1), 2^top), in N
+// balanced int8 digits (DigitWords); records the unscale and writes the embeds row (LoadRowAndEmbeds).
+template <int N>
+__device__ __forceinline__ void RowDigitWords(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2], int top,
+                                              float* unscale, uint32_t (&words)[N][2]) {
+  float e[8];
+  LoadRowAndEmbeds(a, b, k, lane, raw, e);
+  const int shift = RowShift(e, top, 126, lane, unscale + b);
+  DigitWords(e, Pow2(shift), words);
+}
+
 // Small batches (B <= 2) score with int8 tensor cores, with no conversion of W2 at all: e is
 // written as a 24-bit integer E = rint(e * 2^shift) (max |E| in [2^21, 2^22)) in three balanced
 // int8 digits, E = d0 + 2^8 d1 + 2^16 d2, and each digit is its own B column (column 3b + d). The
@@ -465,11 +479,8 @@ __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32
 // Lane L writes digit d of e[8L .. 8L+7] to bytes 8L .. 8L+7 of row 3b + d of `digits` ([8][256]).
 __device__ __forceinline__ void BuildDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                             int8_t* digits, float* unscale) {
-  float e[8];
-  LoadRowAndEmbeds(a, b, k, lane, raw, e);
-  const int shift = RowShift(e, 22, 126, lane, unscale + b);
   uint32_t words[3][2] = {};
-  DigitWords(e, Pow2(shift), words);
+  RowDigitWords(a, b, k, lane, raw, 22, unscale, words);
 #pragma unroll
   for (int d = 0; d < 3; ++d) {
     reinterpret_cast<uint2*>(digits + (3 * b + d) * kRank)[lane] = make_uint2(words[d][0], words[d][1]);
@@ -512,6 +523,26 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
       frag[FragWord<NT, WG>(s, column, 0, tt)] = uint32_t(h[4 * u]) | (uint32_t(h[4 * u + 1]) << 16);
       frag[FragWord<NT, WG>(s, column, 1, tt)] = uint32_t(h[4 * u + 2]) | (uint32_t(h[4 * u + 3]) << 16);
     }
+  }
+}
+
+// Batches of 3-16 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
+// e as E = rint(e * 2^shift) (max |E| in [2^13, 2^14)) in two balanced int8 digits, E = d0 + 2^8 d1,
+// in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that lane t holds both digit sums
+// of request 4 i + t. E keeps 15 bits below e's largest element, as the transposed kernel's digits
+// do: tokens may differ only at near-ties. The B fragment of lane (n, t) at m16n8k32 step j is 8 bytes
+// at [NT][8][32 lanes]: E's digits at k = 64 (j / 2) + 16 t + 8 (j % 2) + 0..7, the k order of
+// FragmentChunk's A words, so lane L's 8 elements (k = 8 L ..) are step 2 (L / 8) + L % 2 of t = (L / 2) % 4.
+template <int NT>
+__device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                                uint32_t* frag, float* unscale) {
+  uint32_t words[2][2] = {};
+  RowDigitWords(a, b, k, lane, raw, 14, unscale, words);  // the high digit within [-64, 64]
+  const int j = 2 * (lane >> 3) + (lane & 1), t = (lane >> 1) & 3;
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+    const int n = 2 * (b % 4) + d;
+    reinterpret_cast<uint2*>(frag)[((b / 4) * 8 + j) * 32 + n * 4 + t] = make_uint2(words[d][0], words[d][1]);
   }
 }
 
@@ -766,9 +797,10 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
 // logits and the Gumbel noise (small batches), then the resident W2 tiles.
-template <int NT>
+template <int NT, bool PAIRS = false>
 struct Smem {
-  static constexpr int kFragBytes = 16 * kFragStepBytes<NT>;  // B for 16 k-steps (FragWord)
+  // B for 16 k-steps (FragWord), or for PAIRS 8 k32-steps of int8 digits (BuildDigitPairs).
+  static constexpr int kFragBytes = (PAIRS ? 8 : 16) * kFragStepBytes<NT>;
   // + the last-CTA flag, then two mbarriers a warp (the noise stage).
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
@@ -801,12 +833,13 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN, bool PAIRS = false>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
+  static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 4), "digit pairs: up to 16 requests' two columns, int8 W2");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
@@ -833,12 +866,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // latency.
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
-  constexpr bool kFragmentOrder = DIGITS || W2 != kW2Int8;
+  constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
   // kChains independent accumulator chains per n-tile.
-  constexpr bool kWgmma = !DIGITS && NT >= 4;
+  constexpr bool kWgmma = !DIGITS && !PAIRS && NT >= 4;
   // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
   // Philox chains) before their branches; the others compute it row by row in the branches (where
   // their 128 registers a thread allow no more).
@@ -849,7 +882,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
-  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT>::kFragBytes);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT, PAIRS>::kFragBytes);
   int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
   float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
   float* inv_t = unscale + kMaxBatch;
@@ -858,7 +891,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
   uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
-  float* scales = reinterpret_cast<float*>(smem + Smem<NT>::kFixedBytes);
+  float* scales = reinterpret_cast<float*>(smem + Smem<NT, PAIRS>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
@@ -872,8 +905,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // values; f32 values as two such arrays, their high halves and their low halves.
   const bool staged_out = kStagedOut && a.logits_staged;
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
-  const int out_stage_bytes = Smem<NT>::OutStageBytes(f32_out);  // a warp's
-  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT>::NoiseStageFloats(a.batch) : 0));
+  const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -897,7 +930,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
-  for (int i = tid; i < Smem<NT>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
   if (noise_pass && lane < 2) {
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -968,7 +1001,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   unsigned char* out_buffer = out_stage + warp * out_stage_bytes;
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
-  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT>::kOutStageBytes : 0);
+  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT, PAIRS>::kOutStageBytes : 0);
   const auto StageLogits = [&](int nt, const uint32_t (&stored)[2][2]) {
     const uint32_t low0 = __byte_perm(stored[0][0], stored[0][1], 0x5410), low1 = __byte_perm(stored[1][0], stored[1][1], 0x5410);
     if (f32_out) {
@@ -987,7 +1020,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const size_t at = (size_t(rq) * steps + k) * vocab + row;
         const uint4 piece = *reinterpret_cast<const uint4*>(out_buffer + p * 16);
         if (f32_out) {
-          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT>::kOutStageBytes + p * 16);
+          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT, PAIRS>::kOutStageBytes + p * 16);
           uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(a.logits) + at);
           __stcs(dst, make_uint4(__byte_perm(low.x, piece.x, 0x5410), __byte_perm(low.x, piece.x, 0x7632),
                                  __byte_perm(low.y, piece.y, 0x5410), __byte_perm(low.y, piece.y, 0x7632)));
@@ -1057,7 +1090,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if constexpr (DIGITS) {
           BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
         } else {
-          BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
+          if constexpr (PAIRS) {
+            BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
+          } else {
+            BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
+          }
         }
       }
     }
@@ -1210,6 +1247,28 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const bool first = t == 0;
             dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
             dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+          } else if constexpr (PAIRS) {
+            // n-tile i: columns 2t, 2t + 1 are request 4i + t's digits 0 and 1, rows g and g + 8.
+            int acc[kChains * NT][4] = {};
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+              const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 8 + s) * 32 + lane];
+                Imma16832(acc[(s % kChains) * NT + nt], q.x, q.y, q.z, q.w, bf.x, bf.y);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < kSlots; ++i) {
+              int c[4] = {acc[i][0], acc[i][1], acc[i][2], acc[i][3]};
+              if constexpr (kChains == 2) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) c[e] += acc[NT + i][e];
+              }
+              dot_a[i] = DigitPairToFloat(c[0], c[1]);
+              dot_b[i] = DigitPairToFloat(c[2], c[3]);
+            }
           } else {
             float acc[kChains * NT][4] = {};
 #pragma unroll
@@ -1538,12 +1597,12 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
 // One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
 // `noise_buffer` (room for [K, ceil(V / 16), batch, 16] floats), has its noise computed there first by
 // MarkovWalkNoise, on the same stream.
-template <int NT, bool SPLIT, bool DIGITS, int W2>
+template <int NT, bool SPLIT, bool DIGITS, int W2, bool PAIRS = false>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
-  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
-  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
-  // batches hold more registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
+  // 16 warps for int8 W2 up to 16 columns (and the digit pairs of up to 16 requests; at most 128
+  // registers: some kernels spill a few dozen bytes), since a tile is a chain of latencies that other
+  // warps cover; 16-bit W2 tiles and wider batches hold more registers per lane.
+  constexpr int kThreads = (NT <= 2 || PAIRS) && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
@@ -1561,9 +1620,9 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
-  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, false>;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, false, PAIRS>;
   if constexpr (NT <= 2) {
-    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, false>;
+    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, false, PAIRS>;
   }
   // The digit kernel's instance for the known launch form: bf16 base logits and logits out, the noise
   // (if any row samples) ahead.
@@ -1582,13 +1641,13 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
-  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT, PAIRS>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
   // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
   // that every store is aligned and a tile's rows past V are whole pieces).
   args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
                        args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT>::OutStageBytes(args.logits_dtype == kF32) : 0;
-  const int fixed = Smem<NT>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
+  const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");

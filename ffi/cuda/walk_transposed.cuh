@@ -133,11 +133,8 @@ static_assert(DigitLayout<true, false>::Consistent() && DigitLayout<false, false
 template <typename Digits>
 __device__ __forceinline__ void BuildTwoDigits(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                int8_t* digits, float* unscale) {
-  float e[8];
-  LoadRowAndEmbeds(a, b, k, lane, raw, e);
-  const int shift = RowShift(e, 14, 126, lane, unscale + b);
   uint32_t words[2][2] = {};
-  DigitWords(e, Pow2(shift), words);  // the high digit within [-64, 64]
+  RowDigitWords(a, b, k, lane, raw, 14, unscale, words);  // the high digit within [-64, 64]
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
     const uint2 bytes = make_uint2(words[d][0], words[d][1]);
