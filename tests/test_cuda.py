@@ -85,7 +85,7 @@ def check_parity(reference_scores, assert_tokens_match):
                                    atol=LOGIT_ATOL * (100 if narrow else 1))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
         # Walks with no logits out take other kernels: all-greedy ones the branch-free epilogue, and
-        # with an int8 W2 those of 3-16 requests score on e's int8 digit pairs. (A sampled walk's tokens
+        # with an int8 W2 those of 3-8 requests score on e's int8 digit pairs. (A sampled walk's tokens
         # are compared where its logits were not rounded to a narrower dtype before choosing.)
         if "temperature" not in kw or not narrow:
             poison_device_memory(batch * steps * 4 * 2)

@@ -526,7 +526,7 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
   }
 }
 
-// Batches of 3-16 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
+// Batches of 3-8 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
 // e as E = rint(e * 2^shift) (max |E| in [2^13, 2^14)) in two balanced int8 digits, E = d0 + 2^8 d1,
 // in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that lane t holds both digit sums
 // of request 4 i + t. E keeps 15 bits below e's largest element, as the transposed kernel's digits
@@ -839,7 +839,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
-  static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 4), "digit pairs: up to 16 requests' two columns, int8 W2");
+  static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
@@ -1599,10 +1599,10 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
 // MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2, bool PAIRS = false>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
-  // 16 warps for int8 W2 up to 16 columns (and the digit pairs of up to 16 requests; at most 128
-  // registers: some kernels spill a few dozen bytes), since a tile is a chain of latencies that other
-  // warps cover; 16-bit W2 tiles and wider batches hold more registers per lane.
-  constexpr int kThreads = (NT <= 2 || PAIRS) && W2 == kW2Int8 ? 512 : 256;
+  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
+  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
+  // batches hold more registers per lane.
+  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
