@@ -15,7 +15,7 @@
 //   columns (hi + lo parts). Products are exact and accumulate in fp32. Since a dot product is a
 //   sum, the r index is permuted freely: each thread loads 16 contiguous bytes per chunk and B is
 //   laid out to match. Batches of 1-2 requests with int8 W2 use int8 mma.sync on e's digits
-//   instead (BuildDigits), warp by warp.
+//   instead (BuildDigits), warp by warp, and so do tokens-only batches of 3-8 (BuildDigitPairs).
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
