@@ -41,7 +41,8 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
       if (err.failure() || launched) return err;
     }
     // Tokens-only walks of 3-8 requests: e's digit pairs on int8 tensor cores (BuildDigitPairs). At
-    // 9-16 the fp16 wgmma path below is faster (NOTES, v64).
+    // 9-16, where the pairs' two columns a request take NT = 4, the fp16 path below is faster (NOTES,
+    // Session 28).
     if (args.logits == nullptr && args.batch <= 8) {
       if (args.batch <= 4) return Launch<1, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
       return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
