@@ -73,10 +73,10 @@ for part in $parts; do
       # the transposed kernel, which makes the noise itself (not packed at 40, in the rotated order,
       # and 56; packed at 24), their bf16 logits stored 16 bytes at a time. 5000,3,12's bf16 logits go
       # out through MarkovWalkKernel's shared memory. The greedy ones take the transposed kernel:
-      # packed (20: a warp of requests past the batch; 24) and not (40). 5000,3,2 and 5000,3,4 take the
-      # epilogue of bf16 base logits and logits out with the noise ahead: digits storing each value
-      # (the digit kernel's instance for it, its base logits staged; 5003,3,2 not staged), and logits
-      # staged.
+      # packed (20: a warp of requests past the batch; 24) and not (40). 5000,3,2 takes the epilogue of
+      # bf16 base logits and logits out with the noise ahead (the digit kernel's instance for it, its
+      # base logits staged; 5003,3,2 not staged). 5000,3,4 and 5003,3,3 (this W1 is bf16) walk on e's
+      # digit pairs, logits out.
       shape="benchmarks/profile_kernel.py 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
       { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"

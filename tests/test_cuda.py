@@ -85,7 +85,8 @@ def check_parity(reference_scores, assert_tokens_match):
                                    atol=LOGIT_ATOL * (100 if narrow else 1))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
         # Walks with no logits out take other kernels: all-greedy ones the branch-free epilogue, and
-        # with an int8 W2 those of 3-8 requests score on e's int8 digit pairs. (A sampled walk's tokens
+        # with an int8 W2 those of 3-8 requests score on e's int8 digit pairs (with a bf16 W1 they do with
+        # logits out too). (A sampled walk's tokens
         # are compared where its logits were not rounded to a narrower dtype before choosing.)
         if "temperature" not in kw or not narrow:
             poison_device_memory(batch * steps * 4 * 2)
@@ -114,9 +115,10 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # 60008), as it does for the mixed benchmark shapes at B = 64. Otherwise batches of 9 or more whose
 # noise does not fit in shared memory have it made before the walk by MarkovWalkNoise (the mixed
 # benchmark shape at B = 16); at V = 8003 the noise of 40 requests fits in shared memory
-# (MarkovWalkKernel's wgmma kernel fills it). bf16 base logits with bf16 logits out take the epilogue
-# specialised for that launch: B = 2 (digits, noise ahead), 4 (staged logits, noise ahead), 12
-# (staged logits, MarkovWalkNoise's noise).
+# (MarkovWalkKernel's wgmma kernel fills it). With this bf16 W1, 3-8 requests score on e's int8 digit
+# pairs, their logits out too (test_parity_sampled_fp16_w1 walks MarkovWalkKernel's fp16 columns
+# there). bf16 base logits with bf16 logits out take the epilogue specialised for that launch: B = 2
+# (digits, noise ahead), 12 (staged logits, MarkovWalkNoise's noise).
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (2, 7, 151936, jnp.bfloat16, jnp.bfloat16), (4, 5, 151936, jnp.bfloat16, jnp.bfloat16),
@@ -132,6 +134,18 @@ def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dt
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)
     transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=True)
     assert transposed == [batch > 16 and vocab % 8 == 0], transposed
+    check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
+
+
+# With an fp16 W1, walks of 3-8 requests with logits out keep MarkovWalkKernel's fp16 columns (one a
+# request), where 16-bit logits go out through shared memory at V % 8 == 0: B = 4 with its noise
+# ahead and bf16 base and logits (the specialised epilogue), 6 with the noise made in the scoring
+# epilogue, 3 and 8 with the last tile half outside V = 40008.
+@pytest.mark.parametrize("batch,steps,vocab,logits_dtype", [(4, 5, 151936, jnp.bfloat16), (6, 7, 151936, jnp.float32),
+                                                            (3, 6, 40008, jnp.bfloat16), (8, 6, 40008, jnp.float16)])
+def test_parity_sampled_fp16_w1(check_parity, batch, steps, vocab, logits_dtype):
+    rng = np.random.default_rng(hash((batch, steps, vocab, str(logits_dtype), "fp16 W1")) % 2**32)
+    base, anchor, head, kw = make_case(rng, batch, steps, vocab, w1_dtype=jnp.float16, sampled=True)
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
 
@@ -176,10 +190,10 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 
 
 # 16-bit logits go out 16 bytes a store where V % 8 == 0 (40008 and 100008 end in a half tile): through
-# shared memory in MarkovWalkKernel (3, 8, 16 requests), from registers in the transposed kernel (40
-# mixed and 64 greedy); one value a store otherwise (40009, 100003, and 1-2 requests: the digit
-# kernel, whose instance for bf16 logits with bf16 base logits stages its base logits at 40008, not at
-# 40009). 24 and 48 sampled requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in
+# shared memory in MarkovWalkKernel (16 requests; 3 and 8 with an fp16 W1 in test_parity_sampled_fp16_w1),
+# from registers in the transposed kernel (40 mixed and 64 greedy); one value a store otherwise (40009,
+# 100003, 3-8 requests on the digit pairs, and 1-2 requests: the digit kernel, whose instance for bf16
+# logits with bf16 base logits stages its base logits at 40008, not at 40009). 24 and 48 sampled requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in
 # the general epilogue); 40 at V = 100008 make it in the transposed kernel.
 @pytest.mark.parametrize("batch,vocab,mode", [(1, 40009, "sampled"), (2, 40008, "mixed"), (3, 40008, "sampled"),
                                               (8, 40009, "sampled"), (16, 40008, "greedy"), (24, 100003, "mixed"),
