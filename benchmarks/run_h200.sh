@@ -76,8 +76,8 @@ for part in $parts; do
       # packed (20: a warp of requests past the batch; 24) and not (40). 5000,3,2 and 5000,3,4 take the
       # epilogue of bf16 base logits and logits out with the noise ahead: digits storing each value
       # (the digit kernel's instance for it, its base logits staged; 5003,3,2 not staged), and logits
-      # staged.
-      shape="benchmarks/profile_kernel.py 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
+      # staged. 5003,3,4 and 5000,3,16 greedy score on e's digit pairs (mma.sync; wgmma).
+      shape="benchmarks/profile_kernel.py 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy 5003,3,4,greedy 5000,3,16,greedy"
       { header memcheck; compute-sanitizer --tool memcheck python3 $shape 2>&1; } > "$out/h200_memcheck.log"
       { header racecheck; compute-sanitizer --tool racecheck python3 $shape 2>&1; } > "$out/h200_racecheck.log"
       tail -n 1 "$out/h200_memcheck.log" "$out/h200_racecheck.log"

@@ -15,7 +15,8 @@
 //   columns (hi + lo parts). Products are exact and accumulate in fp32. Since a dot product is a
 //   sum, the r index is permuted freely: each thread loads 16 contiguous bytes per chunk and B is
 //   laid out to match. Batches of 1-2 requests with int8 W2 use int8 mma.sync on e's digits
-//   instead (BuildDigits), warp by warp, and so do tokens-only batches of 3-8 (BuildDigitPairs).
+//   instead (BuildDigits), warp by warp; tokens-only batches of 3-16 score on e's two int8 digits
+//   (BuildDigitPairs): mma.sync up to 8 requests, s8 wgmma above.
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
@@ -237,6 +238,17 @@ __device__ __forceinline__ void WgmmaBatch(const uint32_t (&op)[kBatch][4], uint
     const int s = kBatch * h + i;
     Wgmma<NT, BF16>(d, op[i][0], op[i][1], op[i][2], op[i][3], desc + uint64_t(s * kFragStepBytes<NT> / 16), s > 0);
   }
+  WgmmaCommit();
+  WgmmaWait<0>(d);
+}
+
+// A tile's dot products with e's digit pairs (PAIRS, 16 requests: 32 columns) on the warpgroup's
+// tensor cores: the 8 k32-steps, A from op (k-step s: op[s]), B at FragWord<4, true> (BuildDigitPairs);
+// waits for them.
+__device__ __forceinline__ void WgmmaPairSteps(const uint32_t (&op)[8][4], uint64_t desc, int (&d)[16]) {
+  WgmmaFence();
+#pragma unroll
+  for (int s = 0; s < 8; ++s) WgmmaS8N32(d, op[s][0], op[s][1], op[s][2], op[s][3], desc + uint64_t(s * kFragStepBytes<4> / 16), s > 0);
   WgmmaCommit();
   WgmmaWait<0>(d);
 }
@@ -526,14 +538,18 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
   }
 }
 
-// Batches of 3-8 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
+// Batches of 3-16 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
 // e as E = rint(e * 2^shift) (max |E| in [2^13, 2^14)) in two balanced int8 digits, E = d0 + 2^8 d1,
 // in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that lane t holds both digit sums
 // of request 4 i + t. E keeps 15 bits below e's largest element, as the transposed kernel's digits
-// do: tokens may differ only at near-ties. The B fragment of lane (n, t) at m16n8k32 step j is 8 bytes
-// at [NT][8][32 lanes]: E's digits at k = 64 (j / 2) + 16 t + 8 (j % 2) + 0..7, the k order of
-// FragmentChunk's A words, so lane L's 8 elements (k = 8 L ..) are step 2 (L / 8) + L % 2 of t = (L / 2) % 4.
-template <int NT>
+// do: tokens may differ only at near-ties. MMA k-step j (k32) pairs MMA k = 4 t + i with
+// r = 64 (j / 2) + 16 t + 8 (j % 2) + i and k = 16 + 4 t + i with that r + 4 (i < 4), the k order of
+// FragmentChunk's A words, so lane L's 8 elements (r = 8 L ..) are step 2 (L / 8) + L % 2 at
+// t = (L / 2) % 4. For mma.sync the B fragment of lane (n, t) at step j is 8 bytes at
+// [NT][8][32 lanes]; for wgmma (WG) the words k = 4 t .. and 16 + 4 t .. of column n sit at
+// FragWord<NT, true>(j, n, 0 / 1, t): the K-major core matrices of 8 columns x 16 bytes, as the fp16
+// path's 8 columns x 8 k.
+template <int NT, bool WG>
 __device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                 uint32_t* frag, float* unscale) {
   uint32_t words[2][2] = {};
@@ -542,7 +558,12 @@ __device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k,
 #pragma unroll
   for (int d = 0; d < 2; ++d) {
     const int n = 2 * (b % 4) + d;
-    reinterpret_cast<uint2*>(frag)[((b / 4) * 8 + j) * 32 + n * 4 + t] = make_uint2(words[d][0], words[d][1]);
+    if constexpr (WG) {
+      frag[FragWord<NT, true>(j, 8 * (b / 4) + n, 0, t)] = words[d][0];
+      frag[FragWord<NT, true>(j, 8 * (b / 4) + n, 1, t)] = words[d][1];
+    } else {
+      reinterpret_cast<uint2*>(frag)[((b / 4) * 8 + j) * 32 + n * 4 + t] = make_uint2(words[d][0], words[d][1]);
+    }
   }
 }
 
@@ -839,7 +860,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
-  static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
+  static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && (NT <= 2 || NT == 4)), "digit pairs: up to 16 requests' two columns, int8 W2");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
@@ -867,11 +888,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
-  // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
-  // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
-  // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
-  // kChains independent accumulator chains per n-tile.
-  constexpr bool kWgmma = !DIGITS && !PAIRS && NT >= 4;
+  // Batches of more than 16 columns score on the warpgroup's tensor cores (wgmma), in batches of
+  // kBatch k-steps whose A operands stay in registers until their MMAs are done (the digit pairs: all
+  // 8 k32-steps at once); smaller ones (where wgmma's waits cost more than its shared B reads save)
+  // score warp by warp with mma.sync, in kChains independent accumulator chains per n-tile.
+  constexpr bool kWgmma = !DIGITS && NT >= 4;
   // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
   // Philox chains) before their branches; the others compute it row by row in the branches (where
   // their 128 registers a thread allow no more).
@@ -1091,7 +1112,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
         } else {
           if constexpr (PAIRS) {
-            BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
+            BuildDigitPairs<NT, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
           } else {
             BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
           }
@@ -1297,6 +1318,26 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         };
         WithChunks(TileDots);
+      } else if constexpr (PAIRS) {
+        uint32_t op[8][4];
+        WithChunks([&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+#pragma unroll
+          for (int s = 0; s < 8; ++s) {
+            const uint4 q = FragmentChunk<W2>(chunks, s, rows_order);
+            op[s][0] = q.x;
+            op[s][1] = q.y;
+            op[s][2] = q.z;
+            op[s][3] = q.w;
+          }
+        });
+        int d[4 * NT];
+        WgmmaPairSteps(op, frag_desc, d);
+        // n-tile i: columns 2t, 2t + 1 are request 4i + t's digits 0 and 1, rows g and g + 8.
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          dot_a[i] = DigitPairToFloat(d[4 * i], d[4 * i + 1]);
+          dot_b[i] = DigitPairToFloat(d[4 * i + 2], d[4 * i + 3]);
+        }
       } else {
         float d[4 * NT];
 #pragma unroll

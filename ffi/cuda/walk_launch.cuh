@@ -40,11 +40,11 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
       const ffi::Error err = LaunchTransposed(stream, device, props, args, &launched);
       if (err.failure() || launched) return err;
     }
-    // Tokens-only walks of 3-8 requests: e's digit pairs on int8 tensor cores (BuildDigitPairs). At
-    // 9-16 the fp16 wgmma path below is faster (NOTES, v64).
-    if (args.logits == nullptr && args.batch <= 8) {
+    // Tokens-only walks of 3-16 requests: e's digit pairs on int8 tensor cores (BuildDigitPairs).
+    if (args.logits == nullptr && args.batch <= 16) {
       if (args.batch <= 4) return Launch<1, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
-      return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
+      if (args.batch <= 8) return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
+      return Launch<4, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
     }
   }
   if (split) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_markov {
 
@@ -30,12 +31,20 @@ __device__ __forceinline__ void WgmmaWaitGroup() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// The same, for groups that write d; the empty asm after the wait keeps every read of d after it.
-template <int N, int kRegs>
-__device__ __forceinline__ void WgmmaWait(float (&d)[kRegs]) {
+// The same, for groups that write d (fp32 or int32); the empty asm after the wait keeps every read of d
+// after it.
+template <int N, typename T, int kRegs>
+__device__ __forceinline__ void WgmmaWait(T (&d)[kRegs]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, int>, "wgmma accumulators are fp32 or int32");
   WgmmaWaitGroup<N>();
 #pragma unroll
-  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kRegs; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      asm volatile("" : "+f"(d[i])::"memory");
+    } else {
+      asm volatile("" : "+r"(d[i])::"memory");
+    }
+  }
 }
 
 // wgmma (sm_90a) for one warpgroup: D[64 x 8 NT] (+)= A[64 x 16] B[16 x 8 NT] in fp32, with fp16 (BF16: bf16)
@@ -101,6 +110,20 @@ __device__ __forceinline__ void Wgmma(float (&d)[4 * NT], uint32_t a0, uint32_t 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
   }
+}
+
+// D[64 x 32] (+)= A[64 x 32] B[32 x 32] in int32 for one warpgroup, s8 inputs: each warp gives 16 rows
+// of A from registers in mma.m16n8k32's A layout and gets its 16 rows of D in the accumulator layout of
+// Wgmma above; B comes from shared memory through its descriptor. accumulate = 0 writes A B.
+__device__ __forceinline__ void WgmmaS8N32(int (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t desc, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
+      "%14, %15}, {%16, %17, %18, %19}, %20, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]),
+        "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
 }
 
 // D[64 x 64] (+)= A[64 x 32] B[32 x 64] in int32 for one warpgroup, s8 A and B from shared memory
