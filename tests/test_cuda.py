@@ -85,7 +85,7 @@ def check_parity(reference_scores, assert_tokens_match):
                                    atol=LOGIT_ATOL * (100 if narrow else 1))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
         # Walks with no logits out take other kernels: all-greedy ones the branch-free epilogue, and
-        # with an int8 W2 those of 3-16 requests score on e's int8 digit pairs. (A sampled walk's tokens
+        # with an int8 W2 and a W1 other than bf16 those of 3-16 requests score on e's int8 digit pairs. (A sampled walk's tokens
         # are compared where its logits were not rounded to a narrower dtype before choosing.)
         if "temperature" not in kw or not narrow:
             poison_device_memory(batch * steps * 4 * 2)
@@ -144,8 +144,9 @@ def test_parity_dtypes(check_parity, base_dtype, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
-# Tokens-only walks of 3-16 requests over int8 W2 score on e's two int8 digits (BuildDigitPairs):
-# mma.sync up to 8 requests, wgmma at 9-16; check_parity walks every case again with no logits out.
+# Walks of 3-16 requests over int8 W2 score on e's two int8 digits (BuildDigitPairs) with a bf16 W1,
+# and with other W1 dtypes where no logits go out: mma.sync up to 8 requests, wgmma at 9-16.
+# check_parity walks every case with logits out and again without.
 @pytest.mark.parametrize("batch,w1_dtype", [(3, jnp.float32), (8, jnp.float16), (9, jnp.bfloat16), (13, jnp.float32),
                                             (16, jnp.float16)])
 def test_parity_digit_pairs(check_parity, batch, w1_dtype):

@@ -15,8 +15,8 @@
 //   columns (hi + lo parts). Products are exact and accumulate in fp32. Since a dot product is a
 //   sum, the r index is permuted freely: each thread loads 16 contiguous bytes per chunk and B is
 //   laid out to match. Batches of 1-2 requests with int8 W2 use int8 mma.sync on e's digits
-//   instead (BuildDigits), warp by warp; tokens-only batches of 3-16 score on e's two int8 digits
-//   (BuildDigitPairs): mma.sync up to 8 requests, s8 wgmma above.
+//   instead (BuildDigits), warp by warp; batches of 3-16 (tokens only, or a bf16 W1) score on e's two
+//   int8 digits (BuildDigitPairs): mma.sync up to 8 requests, s8 wgmma above.
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
@@ -538,15 +538,16 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
   }
 }
 
-// Batches of 3-16 requests whose logits are not returned (PAIRS) score with int8 tensor cores too:
-// e as E = rint(e * 2^shift) (max |E| in [2^13, 2^14)) in two balanced int8 digits, E = d0 + 2^8 d1,
-// in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that lane t holds both digit sums
-// of request 4 i + t. E keeps 15 bits below e's largest element, as the transposed kernel's digits
-// do: tokens may differ only at near-ties. MMA k-step j (k32) pairs MMA k = 4 t + i with
-// r = 64 (j / 2) + 16 t + 8 (j % 2) + i and k = 16 + 4 t + i with that r + 4 (i < 4), the k order of
-// FragmentChunk's A words, so lane L's 8 elements (r = 8 L ..) are step 2 (L / 8) + L % 2 at
-// t = (L / 2) % 4. For mma.sync the B fragment of lane (n, t) at step j is 8 bytes at
-// [NT][8][32 lanes]; for wgmma (WG) the words k = 4 t .. and 16 + 4 t .. of column n sit at
+// Batches of 3-16 requests whose logits are not returned or whose W1 is bf16 (PAIRS) score with int8
+// tensor cores too: e as E = rint(e * 2^shift) (max |E| in [2^13, 2^14)) in two balanced int8
+// digits, E = d0 + 2^8 d1, in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that
+// lane t holds both digit sums of request 4 i + t. E keeps 15 bits below e's largest element, as the
+// transposed kernel's digits do: all the bits of a bf16 element but its smallest ones; other W1
+// dtypes walk tokens only, which may differ only at near-ties. MMA k-step j (k32) pairs MMA
+// k = 4 t + i with r = 64 (j / 2) + 16 t + 8 (j % 2) + i and k = 16 + 4 t + i with that r + 4
+// (i < 4), the k order of FragmentChunk's A words, so lane L's 8 elements (r = 8 L ..) are step
+// 2 (L / 8) + L % 2 at t = (L / 2) % 4. For mma.sync the B fragment of lane (n, t) at step j is 8 bytes
+// at [NT][8][32 lanes]; for wgmma (WG) the words k = 4 t .. and 16 + 4 t .. of column n sit at
 // FragWord<NT, true>(j, n, 0 / 1, t): the K-major core matrices of 8 columns x 16 bytes, as the fp16
 // path's 8 columns x 8 k.
 template <int NT, bool WG>

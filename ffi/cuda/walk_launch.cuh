@@ -40,8 +40,9 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
       const ffi::Error err = LaunchTransposed(stream, device, props, args, &launched);
       if (err.failure() || launched) return err;
     }
-    // Tokens-only walks of 3-16 requests: e's digit pairs on int8 tensor cores (BuildDigitPairs).
-    if (args.logits == nullptr && args.batch <= 16) {
+    // Walks of 3-16 requests on e's digit pairs (BuildDigitPairs): tokens only, or logits out from a
+    // bf16 W1, whose elements the two digits keep but for the smallest ones (as in WalksTransposed).
+    if (args.batch <= 16 && (args.logits == nullptr || args.w1_dtype == kBF16)) {
       if (args.batch <= 4) return Launch<1, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
       if (args.batch <= 8) return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
       return Launch<4, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
