@@ -734,7 +734,7 @@ constexpr int kNoiseChains = 8;
 constexpr int kNoiseValuesPerBlock = kNoiseThreads * kNoiseChains;
 
 template <int CHAINS>
-__global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs a, float* noise) {
+__global__ void __launch_bounds__(kNoiseThreads, 5) MarkovWalkNoise(const WalkArgs a, float* noise) {
   static_assert(kNoiseThreads % kTileRows == 0, "a thread's chains share their place in a tile");
   const int b = blockIdx.z, k = blockIdx.y;
   if (!(a.temperature[b] > 0.0f)) return;
