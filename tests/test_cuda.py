@@ -85,9 +85,9 @@ def check_parity(reference_scores, assert_tokens_match):
                                    atol=LOGIT_ATOL * (100 if narrow else 1))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
         # Walks with no logits out take other kernels: all-greedy ones the branch-free epilogue, and
-        # with an int8 W2 those of 3-8 requests score on e's int8 digit pairs (with a bf16 W1 they do with
-        # logits out too). (A sampled walk's tokens
-        # are compared where its logits were not rounded to a narrower dtype before choosing.)
+        # with an int8 W2 those of 3-8 requests score on e's int8 digit pairs (with a bf16 W1 they do
+        # with logits out too). (A sampled walk's tokens are compared where its logits were not
+        # rounded to a narrower dtype before choosing.)
         if "temperature" not in kw or not narrow:
             poison_device_memory(batch * steps * 4 * 2)
             plain = jm.walk(base, anchor, head, impl="ffi", **kw, **walk_kw)
@@ -193,8 +193,9 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 # shared memory in MarkovWalkKernel (16 requests; 3 and 8 with an fp16 W1 in test_parity_sampled_fp16_w1),
 # from registers in the transposed kernel (40 mixed and 64 greedy); one value a store otherwise (40009,
 # 100003, 3-8 requests on the digit pairs, and 1-2 requests: the digit kernel, whose instance for bf16
-# logits with bf16 base logits stages its base logits at 40008, not at 40009). 24 and 48 sampled requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in
-# the general epilogue); 40 at V = 100008 make it in the transposed kernel.
+# logits with bf16 base logits stages its base logits at 40008, not at 40009). 24 and 48 sampled
+# requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in the general epilogue); 40 at
+# V = 100008 make it in the transposed kernel.
 @pytest.mark.parametrize("batch,vocab,mode", [(1, 40009, "sampled"), (2, 40008, "mixed"), (3, 40008, "sampled"),
                                               (8, 40009, "sampled"), (16, 40008, "greedy"), (24, 100003, "mixed"),
                                               (40, 100008, "mixed"), (48, 100003, "mixed"), (64, 40008, "greedy")])

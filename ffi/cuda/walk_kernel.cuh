@@ -532,9 +532,10 @@ __device__ __forceinline__ void BuildFragments(const WalkArgs& a, int b, int k, 
 // E = d0 + 2^8 d1, in SPLIT's column layout (n-tile b / 4, columns 2 (b % 4) + d), so that lane t
 // holds both digit sums of request 4 i + t. E keeps 15 bits below e's largest element, as the
 // transposed kernel's digits do: all the bits of a bf16 element but its smallest ones; other W1
-// dtypes walk tokens only, which may differ only at near-ties. The B fragment of lane (n, t) at m16n8k32 step j is 8 bytes
-// at [NT][8][32 lanes]: E's digits at k = 64 (j / 2) + 16 t + 8 (j % 2) + 0..7, the k order of
-// FragmentChunk's A words, so lane L's 8 elements (k = 8 L ..) are step 2 (L / 8) + L % 2 of t = (L / 2) % 4.
+// dtypes walk tokens only, which may differ only at near-ties. The B fragment of lane (n, t) at
+// m16n8k32 step j is 8 bytes at [NT][8][32 lanes]: E's digits at k = 64 (j / 2) + 16 t + 8 (j % 2) +
+// 0..7, the k order of FragmentChunk's A words, so lane L's 8 elements (k = 8 L ..) are step
+// 2 (L / 8) + L % 2 of t = (L / 2) % 4.
 template <int NT>
 __device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
                                                 uint32_t* frag, float* unscale) {
