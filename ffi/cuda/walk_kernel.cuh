@@ -869,6 +869,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
+  // The int8 -> fp16 path keeps its resident tiles in offset binary (each byte's sign bit flipped at
+  // step 0), the form Int8PairToHalf2 takes: one XOR fewer a word every step.
+  constexpr bool kOffsetBinary = !kFragmentOrder;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1187,7 +1190,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // streamed tile is taken straight from the prefetch registers (row order), a resident one in
       // fragment order, as step 0 stored it back after loading it (each lane rewrites only its own
       // chunks; the int8 -> fp16 conversion takes its words from anywhere, so that path keeps its
-      // resident tiles in row order). Two copies of the operand code (no register copies of the
+      // resident tiles in row order, in offset binary). Two copies of the operand code (no register copies of the
       // prefetch registers), one of the MMAs and one of the epilogue.
       float dot_a[kSlots], dot_b[kSlots];
       uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
@@ -1198,12 +1201,20 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
       }
-      // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
-      // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
-      // the chunks that `use` reads are loaded).
+      if (active && !streamed && kOffsetBinary && k == 0) {
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const uint4 c = slot[i * 32];
+          slot[i * 32] = make_uint4(c.x ^ 0x80808080u, c.y ^ 0x80808080u, c.z ^ 0x80808080u, c.w ^ 0x80808080u);
+        }
+      }
+      // Calls use(rows_order, chunks, flipped) on the tile's chunks: the prefetch registers of a
+      // streamed tile, or those of a resident one from shared memory (zeros for a warp past its
+      // tiles; only the chunks that `use` reads are loaded). `flipped`: the int8 bytes are in offset
+      // binary already (kOffsetBinary, resident tiles).
       const auto WithChunks = [&](const auto& use) {
         if (streamed) {
-          use(true, pre);
+          use(true, pre, false);
         } else {
           uint4 q[kChunks];
           if (active) {
@@ -1213,16 +1224,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
             for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
           }
-          use(!kFragmentOrder, q);
+          use(!kFragmentOrder, q, kOffsetBinary);
         }
       };
       // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
-      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s, bool flipped) {
         if constexpr (W2 == kW2Int8) {
           // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
           const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+          const uint32_t flip = flipped ? 0u : 0x80808080u;
+          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ flip;
+          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ flip;
           return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
                             Int8PairToHalf2(wb, 0x4342));
         } else {
@@ -1230,7 +1242,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (!kWgmma) {
-        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+        const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
 #pragma unroll
@@ -1275,7 +1287,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             float acc[kChains * NT][4] = {};
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
-              const uint4 op = StepOperands(rows_order, chunks, s);
+              const uint4 op = StepOperands(rows_order, chunks, s, flipped);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
@@ -1304,10 +1316,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int h = 0; h < 16 / kBatch; ++h) {
           uint32_t op[kBatch][4];
-          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
+          const auto BatchOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], bool flipped) {
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
-              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i);
+              const uint4 v = StepOperands(rows_order, chunks, kBatch * h + i, flipped);
               op[i][0] = v.x;
               op[i][1] = v.y;
               op[i][2] = v.z;
