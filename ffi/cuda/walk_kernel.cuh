@@ -5,8 +5,9 @@
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step. Each thread
-//   re-reads exactly the bytes it stored, so no barrier guards them.
+//   order: one 16-byte load per MMA operand); the rest stream from L2 every step, but for the one
+//   each warp scored last, which stays in its prefetch registers for the next step (WarpTiles). Each
+//   thread re-reads exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
@@ -818,7 +819,9 @@ struct Smem {
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
 // streamed tiles spread evenly among its resident ones, starting with one, so each streamed
-// tile's load is issued a few tiles before it is needed (the first one before the step begins).
+// tile's load is issued a few tiles before it is needed. Odd steps take a warp's streamed tiles in
+// reverse, so that each step starts with the tile the step before ended with, still in the prefetch
+// registers: a warp with one streamed tile loads it once a walk, not once a step.
 template <int kWarps>
 struct WarpTiles {
   int warp, resident, n_resident, n_streamed;
@@ -832,6 +835,8 @@ struct WarpTiles {
   __device__ int Local(bool streamed, int i) const {
     return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
   }
+  // The local tile of the i-th streamed tile that the warp scores at step k.
+  __device__ int Streamed(int k, int i) const { return Local(true, k & 1 ? n_streamed - 1 - i : i); }
   // The position in the warp's order of streamed tile `is` (past the end once all are scored).
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
@@ -967,7 +972,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
-  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
+  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
   // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
   for (int i = tid; i < stage_rows; i += THREADS) {
@@ -1050,7 +1055,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
-        if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, 0)), g, t, pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1149,7 +1153,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
-    int next_tile = tiles.Local(next_streamed, 0);
+    // A step's first streamed tile is in `pre` already: the one the step before scored last.
+    int next_tile = next_streamed ? tiles.Streamed(k, 0) : tiles.Local(false, 0);
     uint32_t line[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
@@ -1177,7 +1182,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
-          next_tile = tiles.Local(next_streamed, next_streamed ? is : im);
+          next_tile = next_streamed ? tiles.Streamed(k, is) : tiles.Local(false, im);
           if (kBaseAhead) {
             LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, next_a, next_b);
           }
@@ -1325,7 +1330,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           dot_b[i] = SPLIT ? d[4 * nt + 2] + d[4 * nt + 3] : d[4 * nt + 2 + c];
         }
       }
-      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Local(true, is)), g, t, pre);
+      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(k, is)), g, t, pre);
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
