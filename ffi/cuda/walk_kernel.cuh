@@ -72,6 +72,10 @@ enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
 // unquantized fp16 / bf16 rows of a MarkovHead.
 enum W2Format : int { kW2Int8 = 0, kW2F16 = 1, kW2BF16 = 2 };
+// The digit kernel's instances (MarkovWalkKernel's FORM): any launch, or one of the two common forms
+// with bf16 base logits known at compile time, which leaves out the epilogues it does not take:
+// logits out in bf16 (the noise of any sampled row ahead), or greedy rows and tokens only.
+enum LaunchForm : int { kAnyForm = 0, kLogitsForm = 1, kPlainForm = 2 };
 
 __host__ __device__ constexpr int W2Bytes(int w2) { return w2 == kW2Int8 ? 1 : 2; }
 // 16-byte chunks of a tile that each lane holds: rows g and g + 8, half each.
@@ -841,10 +845,10 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, bool KNOWN, bool PAIRS = false>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
-  static_assert(!KNOWN || DIGITS, "only the digit kernel has an instance for the known launch form");
+  static_assert(FORM == kAnyForm || DIGITS, "only the digit kernel has instances for the known launch forms");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
@@ -875,6 +879,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
+  // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
+  // (WarpTiles::Streamed). The digit kernel's instance for any launch spills registers with it, and
+  // the int8 -> fp16 kernels, whose scoring is bound by the conversion, gain nothing (NOTES, Session 30).
+  constexpr bool kKeepsStreamed = kFragmentOrder && (FORM != kAnyForm || !DIGITS);
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1055,6 +1063,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
+        if (!kKeepsStreamed && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1153,8 +1162,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
-    // A step's first streamed tile is in `pre` already: the one the step before scored last.
-    int next_tile = next_streamed ? tiles.Streamed(k, 0) : tiles.Local(false, 0);
+    // A step's first streamed tile is in `pre` already (kKeepsStreamed: the one the step before
+    // scored last).
+    const int order = kKeepsStreamed ? k : 0;  // WarpTiles::Streamed's step
+    int next_tile = next_streamed ? tiles.Streamed(order, 0) : tiles.Local(false, 0);
     uint32_t line[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
@@ -1182,7 +1193,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
-          next_tile = next_streamed ? tiles.Streamed(k, is) : tiles.Local(false, im);
+          next_tile = next_streamed ? tiles.Streamed(order, is) : tiles.Local(false, im);
           if (kBaseAhead) {
             LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, next_a, next_b);
           }
@@ -1330,7 +1341,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           dot_b[i] = SPLIT ? d[4 * nt + 2] + d[4 * nt + 3] : d[4 * nt + 2 + c];
         }
       }
-      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(k, is)), g, t, pre);
+      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(order, is)), g, t, pre);
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
@@ -1369,7 +1380,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // out; kAnyDType: a.logits_dtype, by selects, and the logits staged if any), and its Gumbel
       // score, with selects and predicated stores rather than branches. The noise is read only for
       // sampled requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
-      // KNOWN (std::true_type): the launch's common form, known here so that the rows' loads, stores
+      // known_form (std::true_type): the launch's common form, known here so that the rows' loads, stores
       // and noise take no selects (Session 23: 68 instructions a value at B = 16): bf16 base logits,
       // bf16 logits out, staged where this kernel stages them (kStagedOut: no store addresses), and the
       // noise of sampled rows where this kernel reads it (kNoisePass: the tile's stage, else the fill's).
@@ -1480,7 +1491,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      if (KNOWN) {
+      if constexpr (FORM == kPlainForm) {
+        PlainEpilogue(std::integral_constant<int, kBF16>());
+      } else if (FORM == kLogitsForm) {
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
       } else if (plain && a.base_dtype == kBF16) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
@@ -1491,7 +1504,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else if (!DIGITS && kNoiseFreeEpilogue && !SPLIT && a.logits != nullptr && a.logits_dtype == kBF16 &&
                  a.base_dtype == kBF16 && (!kStagedOut || staged_out) &&
                  (!any_sampled || (kNoisePass ? noise_pass : a.noise_ahead))) {
-        // The launch's common form. The digit kernel has an instance of its own for it (KNOWN, above,
+        // The launch's common form. The digit kernel has an instance of its own for it (kLogitsForm, above,
         // picked by Launch): its split-row epilogue, compiled beside the others, spilled registers in
         // the tile loop of every launch.
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
@@ -1529,7 +1542,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
         best[i] = other > best[i] ? other : best[i];
       }
-      if (KNOWN) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
+      if (FORM == kLogitsForm) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
         const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
         best[i] = other > best[i] ? other : best[i];
       }
@@ -1628,17 +1641,18 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
-  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, false, PAIRS>;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kAnyForm, PAIRS>;
   if constexpr (NT <= 2) {
-    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, false, PAIRS>;
+    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kAnyForm, PAIRS>;
   }
-  // The digit kernel's instance for the known launch form: bf16 base logits and logits out, the noise
-  // (if any row samples) ahead.
+  // The digit kernel's instances for the known launch forms (LaunchForm).
   if constexpr (DIGITS) {
-    if (args.logits != nullptr && args.logits_dtype == kBF16 && args.base_dtype == kBF16 &&
-        (!args.sampling || args.noise_ahead)) {
-      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, true>
-                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, true>;
+    if (args.base_dtype == kBF16 && args.logits != nullptr && args.logits_dtype == kBF16 && (!args.sampling || args.noise_ahead)) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kLogitsForm>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kLogitsForm>;
+    } else if (args.base_dtype == kBF16 && args.logits == nullptr && !args.sampling) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kPlainForm>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
     }
   }
   args.noise = nullptr;
