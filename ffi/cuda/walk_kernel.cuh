@@ -5,9 +5,9 @@
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step, but for the one
-//   each warp scored last, which stays in its prefetch registers for the next step (WarpTiles). Each
-//   thread re-reads exactly the bytes it stored, so no barrier guards them.
+//   order: one 16-byte load per MMA operand); the rest stream from L2 every step (in most kernels
+//   but for the one each warp scored last, which stays in its prefetch registers for the next step:
+//   kKeepsStreamed). Each thread re-reads exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
@@ -823,9 +823,10 @@ struct Smem {
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
 // streamed tiles spread evenly among its resident ones, starting with one, so each streamed
-// tile's load is issued a few tiles before it is needed. Odd steps take a warp's streamed tiles in
-// reverse, so that each step starts with the tile the step before ended with, still in the prefetch
-// registers: a warp with one streamed tile loads it once a walk, not once a step.
+// tile's load is issued a few tiles before it is needed. Kernels that keep their streamed tiles
+// (kKeepsStreamed) take them in reverse at odd steps (Streamed), so that each step starts with the
+// tile the step before ended with, still in the prefetch registers: a warp with one streamed tile
+// loads it once a walk, not once a step.
 template <int kWarps>
 struct WarpTiles {
   int warp, resident, n_resident, n_streamed;
