@@ -118,7 +118,8 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # (MarkovWalkKernel's wgmma kernel fills it). With this bf16 W1, 3-8 requests score on e's int8 digit
 # pairs, their logits out too (test_parity_sampled_fp16_w1 walks MarkovWalkKernel's fp16 columns
 # there). bf16 base logits with bf16 logits out take the epilogue specialised for that launch: B = 2
-# (digits, noise ahead), 12 (staged logits, MarkovWalkNoise's noise).
+# (digits, noise ahead), 12 (staged logits, MarkovWalkNoise's noise); with float32 logits out, the
+# digit kernel's instance for them: B = 1 at V = 151936 and 270336, 2 at 248320.
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
     (2, 7, 151936, jnp.bfloat16, jnp.bfloat16), (4, 5, 151936, jnp.bfloat16, jnp.bfloat16),

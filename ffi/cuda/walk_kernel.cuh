@@ -72,10 +72,13 @@ enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
 // unquantized fp16 / bf16 rows of a MarkovHead.
 enum W2Format : int { kW2Int8 = 0, kW2F16 = 1, kW2BF16 = 2 };
-// The digit kernel's instances (MarkovWalkKernel's FORM): any launch, or one of the two common forms
-// with bf16 base logits known at compile time, which leaves out the epilogues it does not take:
-// logits out in bf16 (the noise of any sampled row ahead), or greedy rows and tokens only.
-enum LaunchForm : int { kAnyForm = 0, kLogitsForm = 1, kPlainForm = 2 };
+// The digit kernel's instances (MarkovWalkKernel's FORM): any launch, or one of the common forms with
+// bf16 base logits known at compile time, which leaves out the epilogues it does not take: logits out
+// in bf16 or in float32 (the noise of any sampled row ahead), or greedy rows and tokens only.
+enum LaunchForm : int { kAnyForm = 0, kBF16LogitsForm = 1, kPlainForm = 2, kF32LogitsForm = 3 };
+// The logits dtype of a logits-out form.
+__host__ __device__ constexpr int FormLogits(int form) { return form == kF32LogitsForm ? kF32 : kBF16; }
+__host__ __device__ constexpr bool LogitsForm(int form) { return form == kBF16LogitsForm || form == kF32LogitsForm; }
 
 __host__ __device__ constexpr int W2Bytes(int w2) { return w2 == kW2Int8 ? 1 : 2; }
 // 16-byte chunks of a tile that each lane holds: rows g and g + 8, half each.
@@ -1383,7 +1386,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // sampled requests (only they have it); rows past vocab_size score -inf, whatever noise they read.
       // known_form (std::true_type): the launch's common form, known here so that the rows' loads, stores
       // and noise take no selects (Session 23: 68 instructions a value at B = 16): bf16 base logits,
-      // bf16 logits out, staged where this kernel stages them (kStagedOut: no store addresses), and the
+      // logits out in bf16 (the digit kernel: or float32, by its FORM), staged where this kernel stages
+      // them (kStagedOut: no store addresses), and the
       // noise of sampled rows where this kernel reads it (kNoisePass: the tile's stage, else the fill's).
       // There the digit kernel splits the rows between lanes (kSplitRows): lane t = 0, 2 computes l of
       // rows g and g + 8 of request t / 2 and passes row g + 8's to lane t + 1, and each finishes one
@@ -1494,8 +1498,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       };
       if constexpr (FORM == kPlainForm) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
-      } else if (FORM == kLogitsForm) {
-        NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
+      } else if (LogitsForm(FORM)) {
+        NoiseFreeEpilogue(std::integral_constant<int, FormLogits(FORM)>(), std::true_type());
       } else if (plain && a.base_dtype == kBF16) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (plain && a.base_dtype == kF16) {
@@ -1505,7 +1509,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else if (!DIGITS && kNoiseFreeEpilogue && !SPLIT && a.logits != nullptr && a.logits_dtype == kBF16 &&
                  a.base_dtype == kBF16 && (!kStagedOut || staged_out) &&
                  (!any_sampled || (kNoisePass ? noise_pass : a.noise_ahead))) {
-        // The launch's common form. The digit kernel has an instance of its own for it (kLogitsForm, above,
+        // The launch's common form. The digit kernel has an instance of its own for it (kBF16LogitsForm, above,
         // picked by Launch): its split-row epilogue, compiled beside the others, spilled registers in
         // the tile loop of every launch.
         NoiseFreeEpilogue(std::integral_constant<int, kBF16>(), std::true_type());
@@ -1543,7 +1547,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
         best[i] = other > best[i] ? other : best[i];
       }
-      if (FORM == kLogitsForm) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
+      if (LogitsForm(FORM)) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
         const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
         best[i] = other > best[i] ? other : best[i];
       }
@@ -1648,9 +1652,13 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   }
   // The digit kernel's instances for the known launch forms (LaunchForm).
   if constexpr (DIGITS) {
-    if (args.base_dtype == kBF16 && args.logits != nullptr && args.logits_dtype == kBF16 && (!args.sampling || args.noise_ahead)) {
-      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kLogitsForm>
-                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kLogitsForm>;
+    const bool logits_form = args.base_dtype == kBF16 && args.logits != nullptr && (!args.sampling || args.noise_ahead);
+    if (logits_form && args.logits_dtype == kBF16) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kBF16LogitsForm>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kBF16LogitsForm>;
+    } else if (logits_form && args.logits_dtype == kF32) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kF32LogitsForm>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kF32LogitsForm>;
     } else if (args.base_dtype == kBF16 && args.logits == nullptr && !args.sampling) {
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kPlainForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
