@@ -260,14 +260,31 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
   const int n_resident = min(a.resident_tiles, my_tiles);
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
-  // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
-  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
+  // This warpgroup's tiles: local tiles wg, wg + 3, ...; the first n_mine_resident in shared memory,
+  // then streamed tiles s = 0 .. n_streamed - 1 (local tile first_streamed + 3 s) through its slot.
   const int first_streamed = n_resident + ((wg - n_resident) % kTransposedWarpgroups + kTransposedWarpgroups) % kTransposedWarpgroups;
   const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kTransposedWarpgroups + 1 : 0;
+  const int n_mine_resident = n_resident > wg ? (n_resident - 1 - wg) / kTransposedWarpgroups + 1 : 0;
+  // From step 1 on a step begins with the streamed tile that the step before scored last, still in the
+  // slot (the `kept` one: the last and the one before it, in turn), and then takes the resident tiles and
+  // the other streamed ones in increasing order, as the epilogue's argmax needs (the kept tile's best
+  // goes to cta_best by itself, by key). So the slot takes n_streamed - 1 copies a step, not n_streamed.
+  const auto Kept = [&](int k) { return k == 0 || n_streamed == 0 ? -1 : n_streamed == 1 || (k & 1) ? n_streamed - 1 : n_streamed - 2; };
+  // The streamed tile scored s-th (of n_streamed) at step k.
+  const auto StreamedAt = [&](int k, int s) {
+    const int kept = Kept(k);
+    if (kept < 0) return s;
+    return s == 0 ? kept : s - 1 >= kept ? s : s - 1;
+  };
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
+  // Streamed tile c of the walk (counted from 0 at step 0, in scoring order) into the slot, but for the
+  // first of each step from step 1 on, which is there already.
   const auto CopyStreamed = [&](int c) {
-    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kTransposedWarpgroups), slot, u);
+    const int k = n_streamed > 0 ? c / n_streamed : 0, s = c - k * n_streamed;
+    if (c < n_streamed * steps && (k == 0 || s > 0)) {
+      CopyTransposedTile(w2, vocab, RowOf(first_streamed + StreamedAt(k, s) * kTransposedWarpgroups), slot, u);
+    }
     CpAsyncCommit();
   };
 
@@ -360,7 +377,30 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
-    for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
+    // Each thread's best (value, row) of a request, from its rows in increasing order; to cta_best by key.
+    const auto MergeBest = [&]() {
+#pragma unroll
+      for (int r = 0; r < kRequests; ++r) {
+        unsigned long long key = PackArgmaxKey(best_value[r], uint32_t(best_row[r]));
+#pragma unroll
+        for (int m = 1; m < 4; m <<= 1) {
+          const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, m);
+          key = other > key ? other : key;
+        }
+        const int rq = RequestOf(r);
+        if (t == 0 && rq < batch && my_tiles > 0) atomicMax(&cta_best[rq], key);
+        best_value[r] = -INFINITY;
+        best_row[r] = 0;
+      }
+    };
+    const int kept = Kept(k);
+    const int n_mine = n_mine_resident + n_streamed;
+    for (int m = 0; m < n_mine; ++m) {
+      // The m-th tile in this step's order (see Kept).
+      const int q = kept >= 0 ? m - 1 : m;
+      const int i = q < 0 ? first_streamed + kept * kTransposedWarpgroups
+                    : q < n_mine_resident ? wg + q * kTransposedWarpgroups
+                                          : first_streamed + (q - n_mine_resident + (kept >= 0 && q - n_mine_resident >= kept)) * kTransposedWarpgroups;
       const int row0 = RowOf(i);
       // The tile's base logits of this thread's rows, loaded while the MMAs run.
       const int thread_row0 = row0 + 16 * t;
@@ -521,21 +561,12 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
           Epilogue(std::false_type());
         }
       }
+      if (q < 0) MergeBest();  // the kept tile's rows come before lower ones
     }
     StampWarp(a, k, warp);
 
     // 3. Reduce over the 4 lanes that share g, then across warpgroups in shared memory.
-#pragma unroll
-    for (int r = 0; r < kRequests; ++r) {
-      unsigned long long key = PackArgmaxKey(best_value[r], uint32_t(best_row[r]));
-#pragma unroll
-      for (int m = 1; m < 4; m <<= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, m);
-        key = other > key ? other : key;
-      }
-      const int rq = RequestOf(r);
-      if (t == 0 && rq < batch && my_tiles > 0) atomicMax(&cta_best[rq], key);
-    }
+    MergeBest();
     __syncthreads();
     Stamp(a, k, 4);
 
