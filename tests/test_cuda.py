@@ -303,6 +303,44 @@ def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     np.testing.assert_array_equal(np.asarray(got.tokens)[:4, 0], [17, 31000, 0, 12])
 
 
+
+# The same rules where the tied rows sit in W2 tiles that stream from L2, at V = 151936 (on 132 SMs a CTA
+# owns rows 1152 c .. 1152 c + 1151 and keeps roughly its first 850 on chip): from step 1 on, a warp or
+# warpgroup takes first the streamed tile that it scored last at the step before, so rows do not come in
+# increasing order there. Steps 1 (odd) and 2 (even) keep different tiles. Every kernel that streams: the
+# digit kernel (1-2 requests), the digit pairs (4), the fp16 columns (12), the transposed kernel (24
+# packed, 40 not).
+@pytest.mark.parametrize("batch", [1, 2, 4, 12, 24, 40])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
+    rng = np.random.default_rng(11)
+    steps, vocab, span = 3, 151936, 1152
+    base, anchor, head, kw = make_case(rng, batch, steps, vocab)
+    zero_head = jm.QuantizedMarkovHead(head.w1, jnp.zeros_like(head.q), head.scale)
+    base = np.array(base.astype(jnp.float32))
+    expected = {}
+    # Request 0: one value at six rows of CTA 5's last ~300 and at a row of CTA 100; the lowest wins.
+    rows = [5 * span + o for o in (850, 900, 960, 1020, 1100, 1140)] + [100 * span + 1000]
+    base[0][:, rows] = 50.0
+    expected[0] = rows[0]
+    if batch > 1:  # request 1: NaNs in CTA 7's streamed rows and CTA 9's; the first wins
+        rows = [7 * span + o for o in (900, 1100, 1140)] + [9 * span + 1000]
+        base[1][:, rows] = np.nan
+        expected[1] = rows[0]
+    if batch > 3:
+        base[2][:, [3 * span + 700, 3 * span + 1100]] = 50.0  # a row on chip and a streamed one
+        expected[2] = 3 * span + 700
+        base[3][:, :] = -1.0  # -0 at the lower streamed row ties with +0: the lower index wins
+        base[3][:, 2 * span + 1140] = 0.0
+        base[3][:, 2 * span + 1000] = -0.0
+        expected[3] = 2 * span + 1000
+    base = jnp.asarray(base.astype(jnp.bfloat16))
+    got = jm.walk(base, anchor, zero_head, impl="ffi", return_logits=return_logits)
+    ref = jm.walk(base, anchor, zero_head, impl="reference")
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    for b, row in expected.items():
+        np.testing.assert_array_equal(np.asarray(got.tokens)[b], [row] * steps)
+
 def test_jit_while_loop_and_vmap():
     rng = np.random.default_rng(9)
     base, anchor, head, kw = make_case(rng, 4, 7, 60013, mixed=True)
