@@ -303,13 +303,12 @@ def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     np.testing.assert_array_equal(np.asarray(got.tokens)[:4, 0], [17, 31000, 0, 12])
 
 
-
 # The same rules where the tied rows sit in W2 tiles that stream from L2, at V = 151936 (on 132 SMs a CTA
-# owns rows 1152 c .. 1152 c + 1151 and keeps roughly its first 850 on chip): from step 1 on, a warp or
-# warpgroup takes first the streamed tile that it scored last at the step before, so rows do not come in
-# increasing order there. Steps 1 (odd) and 2 (even) keep different tiles. Every kernel that streams: the
-# digit kernel (1-2 requests), the digit pairs (4), the fp16 columns (12), the transposed kernel (24
-# packed, 40 not).
+# owns rows 1152 c .. 1152 c + 1151 and keeps roughly its first 850 on chip). Where a warp keeps its last
+# streamed tile for the next step (kKeepsStreamed: the digit kernel's known forms, the digit pairs), odd
+# steps take its streamed tiles in reverse, so rows do not come in increasing order there; steps 1 and 2
+# take both orders. Every kernel that streams: the digit kernel (1-2 requests), the digit pairs (4), the
+# fp16 columns (12), the transposed kernel (24 packed, 40 not).
 @pytest.mark.parametrize("batch", [1, 2, 4, 12, 24, 40])
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
@@ -340,6 +339,7 @@ def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     for b, row in expected.items():
         np.testing.assert_array_equal(np.asarray(got.tokens)[b], [row] * steps)
+
 
 def test_jit_while_loop_and_vmap():
     rng = np.random.default_rng(9)
