@@ -822,26 +822,37 @@ struct Smem {
   __host__ __device__ static constexpr int OutStageBytes(bool f32) { return (f32 ? 2 : 1) * kOutStageBytes; }
 };
 
-// Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
-// are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
-// that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
-// streamed tiles spread evenly among its resident ones, starting with one, so each streamed
+// Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory, the
+// rest stream from L2, dealt from the last warp down (tile resident + (W - 1 - w) + i * W). A streamed
+// tile costs a warp more than a resident one (its L2 load), so the warps with one streamed tile more
+// take resident tiles fewer: every warp scores my_tiles / W tiles or one more, the one more going to
+// the first warps (where a warp's streamed tiles alone may exceed that share, the resident tiles are
+// dealt evenly instead). A warp's resident tiles are a contiguous run of local tiles. A warp scores
+// its streamed tiles spread evenly among its resident ones, starting with one, so each streamed
 // tile's load is issued a few tiles before it is needed. Kernels that keep their streamed tiles
 // (kKeepsStreamed) take them in reverse at odd steps (Streamed), so that each step starts with the
 // tile the step before ended with, still in the prefetch registers: a warp with one streamed tile
 // loads it once a walk, not once a step.
 template <int kWarps>
 struct WarpTiles {
-  int warp, resident, n_resident, n_streamed;
-  __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
-    const int r = min(resident_tiles, my_tiles);
-    n_resident = w < r ? (r - 1 - w) / kWarps + 1 : 0;
-    const int first_streamed = r + (kWarps - 1 - w);
-    n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarps + 1 : 0;
+  int first_resident, n_resident, first_streamed, n_streamed;
+  __device__ WarpTiles(int w, int resident_tiles, int my_tiles) {
+    const int r = min(resident_tiles, my_tiles), streamed = my_tiles - r;
+    const int share = my_tiles / kWarps, streamed_share = streamed / kWarps;
+    const int more = my_tiles % kWarps, more_streamed = streamed % kWarps;  // warps with one tile more
+    first_streamed = resident_tiles + (kWarps - 1 - w);
+    n_streamed = streamed_share + (w >= kWarps - more_streamed ? 1 : 0);
+    if (share > streamed_share) {  // n_resident >= 0 for every warp
+      n_resident = share + (w < more ? 1 : 0) - n_streamed;
+      first_resident = w * (share - streamed_share) + min(w, more) - max(0, w - (kWarps - more_streamed));
+    } else {
+      n_resident = r / kWarps + (w < r % kWarps ? 1 : 0);
+      first_resident = w * (r / kWarps) + min(w, r % kWarps);
+    }
   }
   __device__ int total() const { return n_resident + n_streamed; }
   __device__ int Local(bool streamed, int i) const {
-    return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
+    return streamed ? first_streamed + i * kWarps : first_resident + i;
   }
   // The local tile of the i-th streamed tile that the warp scores at step k.
   __device__ int Streamed(int k, int i) const { return Local(true, k & 1 ? n_streamed - 1 - i : i); }
