@@ -168,6 +168,22 @@ def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
+# From step 1 on, the digit kernel's known forms (bf16 base logits; no logits out or float32/bf16
+# logits, greedy or with the noise in shared memory) split a CTA's E = tiles % 16 last tiles, where
+# 1 <= E <= 8, between warp pairs: one scores k-steps 0-3, the other 4-7 and the epilogue. On 132 SMs
+# these vocabularies leave E = 1, 5 and 8 (V = 151936, with streamed tiles, is the benchmark's).
+@pytest.mark.parametrize("vocab, extra", [(35900, 1), (44300, 5), (50600, 8)])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", ["greedy", "mixed"])
+def test_parity_split_tiles(check_parity, vocab, extra, batch, mode):
+    tiles = -(-vocab // 16)
+    assert -(-tiles // 132) % 16 == extra  # a CTA's tiles past 16 whole shares, on 132 SMs
+    rng = np.random.default_rng(vocab + batch)
+    base, anchor, head, kw = make_case(rng, batch, 4, vocab, mixed=mode == "mixed")
+    check_parity(base, anchor, head, kw)
+    check_parity(base, anchor, head, kw, logits_dtype=jnp.bfloat16)
+
+
 # The unquantized walk: fp16 W2 scores with fp16 MMAs, bf16 W2 with bf16 MMAs (fp16 and fp32 W1 in
 # hi + lo columns), every W1 dtype, batches across the n-tile widths and beyond one launch.
 @pytest.mark.parametrize("w2_dtype", [jnp.bfloat16, jnp.float16])

@@ -115,6 +115,8 @@ struct WalkArgs {
   const float* noise;
   // 1: logits go out through a per-warp shared-memory buffer (stmatrix), 8 rows of a request a store.
   int logits_staged;
+  // 1: shared memory holds the producers' sums (SplitSumBytes), so kSplitTiles kernels split tiles.
+  int split_tiles;
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -822,6 +824,10 @@ struct Smem {
   __host__ __device__ static constexpr int OutStageBytes(bool f32) { return (f32 ? 2 : 1) * kOutStageBytes; }
 };
 
+// Shared memory for the producers' k-step sums where tiles are split (WarpTiles): up to W / 2 pairs,
+// 4 int32 a lane.
+__host__ __device__ constexpr int SplitSumBytes(int threads) { return threads / 32 / 2 * 32 * 16; }
+
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
@@ -830,18 +836,39 @@ struct Smem {
 // (kKeepsStreamed) take them in reverse at odd steps (Streamed), so that each step starts with the
 // tile the step before ended with, still in the prefetch registers: a warp with one streamed tile
 // loads it once a walk, not once a step.
-template <int kWarps>
+// Kernels that split tiles (kSplitTiles), where a CTA's E = my_tiles % W tiles past W whole shares
+// would leave E warps a tile more (and E <= W / 2, E <= the resident tiles): the last E resident
+// tiles are dealt apart, tile `split_tile` to warps x (its producer) and W / 2 + x (its consumer),
+// and every warp scores my_tiles / W whole tiles besides. From step 1 on the producer scores k-steps
+// 0-3 of its split tile before its whole tiles and leaves the sums in shared memory; the consumer
+// scores k-steps 4-7 of it last (its last resident tile), adds them and takes the tile's epilogue.
+// At step 0 the consumer scores it whole (it loads it).
+template <int kWarps, bool kSplit>
 struct WarpTiles {
-  int warp, resident, n_resident, n_streamed;
-  __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
-    const int r = min(resident_tiles, my_tiles);
-    n_resident = w < r ? (r - 1 - w) / kWarps + 1 : 0;
-    const int first_streamed = r + (kWarps - 1 - w);
-    n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarps + 1 : 0;
+  // Local tiles: resident warp + i * W (kSplit: the last one last_resident), streamed
+  // first_streamed + i * W.
+  int warp, first_streamed, n_resident, n_streamed, last_resident = 0, split_tile = -1;
+  __device__ WarpTiles(int w, int resident_tiles, int my_tiles, bool may_split)
+      : warp(w), first_streamed(resident_tiles + (kWarps - 1 - w)) {
+    const int r = min(resident_tiles, my_tiles), extra = my_tiles % kWarps;
+    const bool split = kSplit && may_split && extra > 0 && 2 * extra <= kWarps && extra <= r;
+    const int whole = split ? r - extra : r;  // resident tiles dealt round-robin
+    n_resident = w < whole ? (whole - 1 - w) / kWarps + 1 : 0;
+    n_streamed = r + (kWarps - 1 - w) < my_tiles ? (my_tiles - 1 - (r + (kWarps - 1 - w))) / kWarps + 1 : 0;
+    if constexpr (kSplit) {
+      last_resident = w + (n_resident - 1) * kWarps;
+      const int pair = w % (kWarps / 2);
+      if (split && pair < extra) {
+        split_tile = whole + pair;
+        if (consumer()) last_resident = split_tile, ++n_resident;  // the split tile, last
+      }
+    }
   }
+  __device__ bool consumer() const { return warp >= kWarps / 2; }
   __device__ int total() const { return n_resident + n_streamed; }
   __device__ int Local(bool streamed, int i) const {
-    return streamed ? resident + (kWarps - 1 - warp) + i * kWarps : warp + i * kWarps;
+    if (streamed) return first_streamed + i * kWarps;
+    return kSplit && i == n_resident - 1 ? last_resident : warp + i * kWarps;
   }
   // The local tile of the i-th streamed tile that the warp scores at step k.
   __device__ int Streamed(int k, int i) const { return Local(true, k & 1 ? n_streamed - 1 - i : i); }
@@ -887,6 +914,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // (WarpTiles::Streamed). The digit kernel's instance for any launch spills registers with it, and
   // the int8 -> fp16 kernels, whose scoring is bound by the conversion, gain nothing (NOTES, Session 30).
   constexpr bool kKeepsStreamed = kFragmentOrder && (FORM != kAnyForm || !DIGITS);
+  // Whether the CTA's tiles past W whole shares are split between warp pairs (WarpTiles): the digit
+  // kernel's known forms, whose k-step sums are exact int32 (adding two halves is the same sum).
+  constexpr bool kSplitTiles = DIGITS && FORM != kAnyForm;
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -928,6 +958,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
   unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
+  // kSplitTiles: a producer's k-step sums of its split tile, [pair][lane] (SplitSumBytes), past the
+  // resident tiles.
+  int4* split_sums = reinterpret_cast<int4*>(resident + size_t(a.resident_tiles) * kTileBytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -937,12 +970,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
-  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  const WarpTiles<kWarps, kSplitTiles> tiles(warp, a.resident_tiles, my_tiles, a.split_tiles);
   // wgmma is warpgroup-wide: the four warps of a warpgroup run as many tile iterations as the busiest
   // of them, a warp past its own tiles with zero operands and no epilogue.
   int loop_tiles = tiles.total();
   if constexpr (kWgmma) {
-    for (int w = warp & ~3; w <= (warp | 3); ++w) loop_tiles = max(loop_tiles, WarpTiles<kWarps>(w, a.resident_tiles, my_tiles).total());
+    for (int w = warp & ~3; w <= (warp | 3); ++w) loop_tiles = max(loop_tiles, WarpTiles<kWarps, kSplitTiles>(w, a.resident_tiles, my_tiles, a.split_tiles).total());
   }
   const uint64_t frag_desc = FragDescriptor(frag);
   // Small batches exchange keys through one slot per CTA (slots[(k * batch + b) * grid + cta]).
@@ -1145,6 +1178,25 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
       for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
     }
+    // The tile that this warp, a consumer, scores k-steps 4-7 of at this step (-1: none).
+    const int consumer_split_tile = kSplitTiles && k > 0 && tiles.consumer() ? tiles.split_tile : -1;
+    // A producer's half of its split tile, k-steps 0-3, first: the consumer adds the sums when it
+    // scores k-steps 4-7 last (bar.arrive does not wait; the consumer's bar.sync does). The buffer is
+    // free again: its consumer read it before the end of the step before.
+    const int pair_barrier = 1 + warp % (kWarps / 2);  // named barrier of the warp's pair
+    if (kSplitTiles && k > 0 && tiles.split_tile >= 0 && !tiles.consumer()) {
+      const uint4* split_slot = reinterpret_cast<const uint4*>(resident + size_t(tiles.split_tile) * kTileBytes) + lane;
+      int acc[2][4] = {};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint4 q = split_slot[s * 32];
+        const int w = 2 * (s & 1);
+        Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+      }
+      split_sums[(warp % (kWarps / 2)) * 32 + lane] =
+          make_int4(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1], acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
+      asm volatile("bar.arrive %0, 64;" ::"r"(pair_barrier) : "memory");
+    }
     unsigned long long best[kSlots];
     // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
     // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
@@ -1180,6 +1232,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       const bool active = n < tiles.total();
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
+      const bool split_half = kSplitTiles && j == consumer_split_tile;  // k-steps 4-7 only
       const bool streamed = active && next_streamed;
       uint32_t next_a[kSlots], next_b[kSlots];
       if (active) {
@@ -1251,6 +1304,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (!kWgmma) {
+        // DIGITS: the dot products of rows g and g + 8 from lane (g, t)'s digit sums (columns 2t, 2t + 1).
+        const auto DigitDots = [&](const int (&c)[4]) {
+          // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
+          // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
+          const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
+          const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
+          const bool first = t == 0;
+          dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
+          dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+        };
         const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
@@ -1263,13 +1326,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             int c[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
-            // Columns 0-2 are request 0's digits (lanes t = 0, 1), columns 3-5 request 1's (t = 1, 2):
-            // t = 0 takes digit 2 from t = 1, t = 2 takes digit 0 from t = 1.
-            const int down0 = __shfl_down_sync(0xffffffffu, c[0], 1), down2 = __shfl_down_sync(0xffffffffu, c[2], 1);
-            const int up1 = __shfl_up_sync(0xffffffffu, c[1], 1), up3 = __shfl_up_sync(0xffffffffu, c[3], 1);
-            const bool first = t == 0;
-            dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
-            dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+            DigitDots(c);
           } else if constexpr (PAIRS) {
             // n-tile i: columns 2t, 2t + 1 are request 4i + t's digits 0 and 1, rows g and g + 8.
             int acc[kChains * NT][4] = {};
@@ -1319,7 +1376,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             }
           }
         };
-        WithChunks(TileDots);
+        if (split_half) {
+          // k-steps 4-7 of the split tile (resident, in fragment order), then the producer's 0-3.
+          int acc[2][4] = {};
+#pragma unroll
+          for (int s = 4; s < 8; ++s) {
+            const uint4 q = slot[s * 32];
+            const int w = 2 * (s & 1);
+            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
+          }
+          asm volatile("bar.sync %0, 64;" ::"r"(pair_barrier) : "memory");
+          const int4 producer_sums = split_sums[(warp % (kWarps / 2)) * 32 + lane];
+          const int c[4] = {acc[0][0] + acc[1][0] + producer_sums.x, acc[0][1] + acc[1][1] + producer_sums.y,
+                            acc[0][2] + acc[1][2] + producer_sums.z, acc[0][3] + acc[1][3] + producer_sums.w};
+          DigitDots(c);
+        } else {
+          WithChunks(TileDots);
+        }
       } else {
         float d[4 * NT];
 #pragma unroll
@@ -1650,9 +1723,12 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kAnyForm, PAIRS>;
   }
-  // The digit kernel's instances for the known launch forms (LaunchForm).
+  // The digit kernel's instances for the known launch forms (LaunchForm), which split tiles where a
+  // CTA's tiles leave at most half the warps a tile more (kSplitTiles; room for the producers' sums).
   if constexpr (DIGITS) {
     const bool logits_form = args.base_dtype == kBF16 && args.logits != nullptr && (!args.sampling || args.noise_ahead);
+    const int extra = args.tiles_per_cta % (kThreads / 32);
+    args.split_tiles = extra > 0 && 2 * extra <= kThreads / 32;
     if (logits_form && args.logits_dtype == kBF16) {
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kBF16LogitsForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kBF16LogitsForm>;
@@ -1662,8 +1738,11 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     } else if (args.base_dtype == kBF16 && args.logits == nullptr && !args.sampling) {
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kPlainForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
+    } else {
+      args.split_tiles = 0;
     }
   }
+  const int split_sum_bytes = args.split_tiles ? SplitSumBytes(kThreads) : 0;
   args.noise = nullptr;
   if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
@@ -1679,7 +1758,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
                        args.vocab % 8 == 0;
   const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
   const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
-                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
+                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes + split_sum_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
