@@ -1184,15 +1184,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // scores k-steps 4-7 last (bar.arrive does not wait; the consumer's bar.sync does). The buffer is
     // free again: its consumer read it before the end of the step before.
     const int pair_barrier = 1 + warp % (kWarps / 2);  // named barrier of the warp's pair
-    if (kSplitTiles && k > 0 && tiles.split_tile >= 0 && !tiles.consumer()) {
-      const uint4* split_slot = reinterpret_cast<const uint4*>(resident + size_t(tiles.split_tile) * kTileBytes) + lane;
-      int acc[2][4] = {};
+    // k-steps s0 .. s0 + 3 of a resident tile (fragment order; `slot`: the lane's first chunk) on e's
+    // digits, in two chains.
+    const auto HalfTileSums = [&](const uint4* slot, int s0, int (&acc)[2][4]) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint4 q = split_slot[s * 32];
+      for (int s = s0; s < s0 + 4; ++s) {
+        const uint4 q = slot[s * 32];
         const int w = 2 * (s & 1);
         Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
       }
+    };
+    if (kSplitTiles && k > 0 && tiles.split_tile >= 0 && !tiles.consumer()) {
+      int acc[2][4] = {};
+      HalfTileSums(reinterpret_cast<const uint4*>(resident + size_t(tiles.split_tile) * kTileBytes) + lane, 0, acc);
       split_sums[(warp % (kWarps / 2)) * 32 + lane] =
           make_int4(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1], acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
       asm volatile("bar.arrive %0, 64;" ::"r"(pair_barrier) : "memory");
@@ -1379,12 +1383,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (split_half) {
           // k-steps 4-7 of the split tile (resident, in fragment order), then the producer's 0-3.
           int acc[2][4] = {};
-#pragma unroll
-          for (int s = 4; s < 8; ++s) {
-            const uint4 q = slot[s * 32];
-            const int w = 2 * (s & 1);
-            Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
-          }
+          HalfTileSums(slot, 4, acc);
           asm volatile("bar.sync %0, 64;" ::"r"(pair_barrier) : "memory");
           const int4 producer_sums = split_sums[(warp % (kWarps / 2)) * 32 + lane];
           const int c[4] = {acc[0][0] + acc[1][0] + producer_sums.x, acc[0][1] + acc[1][1] + producer_sums.y,
