@@ -7,7 +7,9 @@
 //   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
 //   order: one 16-byte load per MMA operand); the rest stream from L2 every step (in most kernels
 //   but for the one each warp scored last, which stays in its prefetch registers for the next step:
-//   kKeepsStreamed). Each thread re-reads exactly the bytes it stored, so no barrier guards them.
+//   kKeepsStreamed). Each thread re-reads exactly the bytes it stored, so no barrier guards them
+//   (but for a split tile's half that its producer warp reads from step 1 on, after step 0's
+//   closing barrier: WarpTiles).
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
