@@ -168,12 +168,14 @@ def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
-# From step 1 on, the digit kernel's known forms (bf16 base logits; no logits out or float32/bf16
-# logits, greedy or with the noise in shared memory) split a CTA's E = tiles % 16 last tiles, where
-# 1 <= E <= 8, between warp pairs: one scores k-steps 0-3, the other 4-7 and the epilogue. On 132 SMs
-# these vocabularies leave E = 1, 5 and 8 (V = 151936, with streamed tiles, is the benchmark's).
+# From step 1 on, a CTA's E = tiles % 16 last tiles, where 1 <= E <= 8, are split between warp
+# pairs (one scores the first half of the k-steps, the other the second half and the epilogue) in
+# the digit kernel's known forms (1-2 requests, bf16 base logits; no logits out or float32/bf16
+# logits, greedy or with the noise in shared memory) and in the int8 -> fp16 kernel of 9-16
+# requests. On 132 SMs these vocabularies leave E = 1, 5 and 8 (V = 151936, with streamed tiles, is
+# the benchmark's).
 @pytest.mark.parametrize("vocab, extra", [(35900, 1), (44300, 5), (50600, 8)])
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 12, 16])
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
 def test_parity_split_tiles(check_parity, vocab, extra, batch, mode):
     tiles = -(-vocab // 16)

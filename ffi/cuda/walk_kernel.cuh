@@ -826,9 +826,16 @@ struct Smem {
   __host__ __device__ static constexpr int OutStageBytes(bool f32) { return (f32 ? 2 : 1) * kOutStageBytes; }
 };
 
-// Shared memory for the producers' k-step sums where tiles are split (WarpTiles): up to W / 2 pairs,
-// 4 int32 a lane.
-__host__ __device__ constexpr int SplitSumBytes(int threads) { return threads / 32 / 2 * 32 * 16; }
+// Whether a kernel instance splits a CTA's tiles past W whole shares between warp pairs (WarpTiles):
+// the digit kernel's known forms (exact int32 sums: adding two halves is the same sum) and the
+// int8 -> fp16 kernel of 9-16 requests (fp32 sums: the halves round in another order).
+__host__ __device__ constexpr bool SplitsTiles(int nt, bool split, bool digits, int w2, bool pairs, int form) {
+  return digits ? form != kAnyForm : nt == 2 && !split && !pairs && w2 == kW2Int8;
+}
+// A producer lane's sums for its consumer: 4 int32 digit sums, or NT n-tiles' 4 floats.
+__host__ __device__ constexpr int SplitLaneBytes(int nt, bool digits) { return digits ? 16 : 16 * nt; }
+// Shared memory for the producers' sums: up to W / 2 pairs of warps.
+__host__ __device__ constexpr int SplitSumBytes(int threads, int lane_bytes) { return threads / 32 / 2 * 32 * lane_bytes; }
 
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
@@ -841,10 +848,10 @@ __host__ __device__ constexpr int SplitSumBytes(int threads) { return threads / 
 // Kernels that split tiles (kSplitTiles), where a CTA's E = my_tiles % W tiles past W whole shares
 // would leave E warps a tile more (and E <= W / 2, E <= the resident tiles): the last E resident
 // tiles are dealt apart, tile `split_tile` to warps x (its producer) and W / 2 + x (its consumer),
-// and every warp scores my_tiles / W whole tiles besides. From step 1 on the producer scores k-steps
-// 0-3 of its split tile before its whole tiles and leaves the sums in shared memory; the consumer
-// scores k-steps 4-7 of it last (its last resident tile), adds them and takes the tile's epilogue.
-// At step 0 the consumer scores it whole (it loads it).
+// and every warp scores my_tiles / W whole tiles besides. From step 1 on the producer scores the
+// first half of its split tile's k-steps before its whole tiles and leaves the sums in shared memory;
+// the consumer scores the second half last (its last resident tile), adds them and takes the tile's
+// epilogue. At step 0 the consumer scores it whole (it loads it).
 template <int kWarps, bool kSplit>
 struct WarpTiles {
   // Local tiles: resident warp + i * W (kSplit: the last one last_resident), streamed
@@ -916,9 +923,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // (WarpTiles::Streamed). The digit kernel's instance for any launch spills registers with it, and
   // the int8 -> fp16 kernels, whose scoring is bound by the conversion, gain nothing (NOTES, Session 30).
   constexpr bool kKeepsStreamed = kFragmentOrder && (FORM != kAnyForm || !DIGITS);
-  // Whether the CTA's tiles past W whole shares are split between warp pairs (WarpTiles): the digit
-  // kernel's known forms, whose k-step sums are exact int32 (adding two halves is the same sum).
-  constexpr bool kSplitTiles = DIGITS && FORM != kAnyForm;
+  // Whether the CTA's tiles past W whole shares are split between warp pairs (WarpTiles).
+  constexpr bool kSplitTiles = SplitsTiles(NT, SPLIT, DIGITS, W2, PAIRS, FORM);
+  constexpr int kSplitLaneWords = SplitLaneBytes(NT, DIGITS) / 16;  // uint4 a lane
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -931,6 +938,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kNoiseGroup = kGroupNoise ? 2 : 1;
   constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
   constexpr int kChains = NT == 1 ? 2 : 1;
+  static_assert(!kSplitTiles || DIGITS || kChains == 1, "a producer leaves one accumulator chain per n-tile");
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
@@ -960,9 +968,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
   unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
-  // kSplitTiles: a producer's k-step sums of its split tile, [pair][lane] (SplitSumBytes), past the
-  // resident tiles.
-  int4* split_sums = reinterpret_cast<int4*>(resident + size_t(a.resident_tiles) * kTileBytes);
+  // kSplitTiles: a producer's k-step sums of its split tile, [pair][lane][kSplitLaneWords] (SplitSumBytes),
+  // past the resident tiles.
+  uint4* split_sums = reinterpret_cast<uint4*>(resident + size_t(a.resident_tiles) * kTileBytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -1180,14 +1188,30 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
       for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
     }
-    // The tile that this warp, a consumer, scores k-steps 4-7 of at this step (-1: none).
+    // The tile that this warp, a consumer, scores the second half of the k-steps of at this step
+    // (-1: none).
     const int consumer_split_tile = kSplitTiles && k > 0 && tiles.consumer() ? tiles.split_tile : -1;
-    // A producer's half of its split tile, k-steps 0-3, first: the consumer adds the sums when it
-    // scores k-steps 4-7 last (bar.arrive does not wait; the consumer's bar.sync does). The buffer is
-    // free again: its consumer read it before the end of the step before.
-    const int pair_barrier = 1 + warp % (kWarps / 2);  // named barrier of the warp's pair
-    // k-steps s0 .. s0 + 3 of a resident tile (fragment order; `slot`: the lane's first chunk) on e's
-    // digits, in two chains.
+    // A producer's half of its split tile, the first half of the k-steps, first: the consumer adds the
+    // sums when it scores the second half last (bar.arrive does not wait; the consumer's bar.sync does).
+    // The buffer is free again: its consumer read it before the end of the step before.
+    // The named barrier of this warp's pair, and its lane's sums.
+    const auto PairBarrier = [&]() { return 1 + warp % (kWarps / 2); };
+    const auto PairSums = [&]() { return split_sums + ((warp % (kWarps / 2)) * 32 + lane) * kSplitLaneWords; };
+    // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
+    const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
+      if constexpr (W2 == kW2Int8) {
+        // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
+        const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
+        const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
+        const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
+        return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
+                          Int8PairToHalf2(wb, 0x4342));
+      } else {
+        return FragmentChunk<W2>(chunks, s, rows_order);
+      }
+    };
+    // DIGITS: k32-steps s0 .. s0 + 3 of a resident tile (fragment order; `slot`: the lane's first
+    // chunk) on e's digits, in two chains.
     const auto HalfTileSums = [&](const uint4* slot, int s0, int (&acc)[2][4]) {
 #pragma unroll
       for (int s = s0; s < s0 + 4; ++s) {
@@ -1196,12 +1220,48 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         Imma16832(acc[s & 1], q.x, q.y, q.z, q.w, Word(digit_frag[s >> 1], w), Word(digit_frag[s >> 1], w + 1));
       }
     };
+    // The half of the k16-steps (0: 0-7, 1: 8-15) that reads row-order chunk i (StepOperands): the
+    // split int8 tiles of the fp16-column kernels are resident in row order.
+    static_assert(!kSplitTiles || DIGITS || !kFragmentOrder, "split fp16-column tiles are in row order");
+    const auto ColumnHalfChunk = [](int i) { return (i >> 1) & 1; };
+    // The fp16-column kernels: k16-steps s0 .. s1 - 1 of a tile's chunks into acc (chain s % kChains).
+    const auto ColumnSums = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s0, int s1, float (&acc)[kChains * NT][4]) {
+#pragma unroll
+      for (int s = s0; s < s1; ++s) {
+        const uint4 op = StepOperands(rows_order, chunks, s);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
+          Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
+        }
+      }
+    };
+    // Half `half` of a resident int8 tile's k16-steps (row order; `slot`: the lane's first chunk),
+    // loading only the chunks that half reads.
+    const auto ColumnHalfSums = [&](const uint4* slot, int half, float (&acc)[kChains * NT][4]) {
+      uint4 chunks[kChunks];
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        if (ColumnHalfChunk(i) == half) chunks[i] = slot[i * 32];
+      }
+      ColumnSums(true, chunks, 8 * half, 8 * half + 8, acc);
+    };
     if (kSplitTiles && k > 0 && tiles.split_tile >= 0 && !tiles.consumer()) {
-      int acc[2][4] = {};
-      HalfTileSums(reinterpret_cast<const uint4*>(resident + size_t(tiles.split_tile) * kTileBytes) + lane, 0, acc);
-      split_sums[(warp % (kWarps / 2)) * 32 + lane] =
-          make_int4(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1], acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
-      asm volatile("bar.arrive %0, 64;" ::"r"(pair_barrier) : "memory");
+      const uint4* split_slot = reinterpret_cast<const uint4*>(resident + size_t(tiles.split_tile) * kTileBytes) + lane;
+      if constexpr (DIGITS) {
+        int acc[2][4] = {};
+        HalfTileSums(split_slot, 0, acc);
+        PairSums()[0] = make_uint4(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1], acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
+      } else {
+        float acc[kChains * NT][4] = {};
+        ColumnHalfSums(split_slot, 0, acc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          PairSums()[nt] = make_uint4(__float_as_uint(acc[nt][0]), __float_as_uint(acc[nt][1]), __float_as_uint(acc[nt][2]),
+                                     __float_as_uint(acc[nt][3]));
+        }
+      }
+      asm volatile("bar.arrive %0, 64;" ::"r"(PairBarrier()) : "memory");
     }
     unsigned long long best[kSlots];
     // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
@@ -1238,7 +1298,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       const bool active = n < tiles.total();
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
-      const bool split_half = kSplitTiles && j == consumer_split_tile;  // k-steps 4-7 only
+      const bool split_half = kSplitTiles && j == consumer_split_tile;  // the second half only
       const bool streamed = active && next_streamed;
       uint32_t next_a[kSlots], next_b[kSlots];
       if (active) {
@@ -1296,19 +1356,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           use(!kFragmentOrder, q);
         }
       };
-      // The A words of k-step s: rows g and g + 8 at k = 2t, 2t + 1 (x, y) and 2t + 8, 2t + 9 (z, w).
-      const auto StepOperands = [&](bool rows_order, const uint4 (&chunks)[kChunks], int s) {
-        if constexpr (W2 == kW2Int8) {
-          // Row words s & 3 of chunk s >> 2: fragment-order chunk 2 (s >> 2) + ((s >> 1) & 1).
-          const uint4 q = FragmentChunk<W2>(chunks, 2 * (s >> 2) + ((s >> 1) & 1), rows_order);
-          const uint32_t wa = ((s & 1) ? q.z : q.x) ^ 0x80808080u;
-          const uint32_t wb = ((s & 1) ? q.w : q.y) ^ 0x80808080u;
-          return make_uint4(Int8PairToHalf2(wa, 0x4140), Int8PairToHalf2(wb, 0x4140), Int8PairToHalf2(wa, 0x4342),
-                            Int8PairToHalf2(wb, 0x4342));
-        } else {
-          return FragmentChunk<W2>(chunks, s, rows_order);
-        }
-      };
       if constexpr (!kWgmma) {
         // DIGITS: the dot products of rows g and g + 8 from lane (g, t)'s digit sums (columns 2t, 2t + 1).
         const auto DigitDots = [&](const int (&c)[4]) {
@@ -1319,6 +1366,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           const bool first = t == 0;
           dot_a[0] = DigitsToFloat(first ? c[0] : up1, first ? c[1] : c[0], first ? down0 : c[1]);
           dot_b[0] = DigitsToFloat(first ? c[2] : up3, first ? c[3] : c[2], first ? down2 : c[3]);
+        };
+        // The fp16-column kernels: each owned slot's dot products of rows g and g + 8 from acc.
+        const auto ColumnDots = [&](const float (&acc)[kChains * NT][4]) {
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
+            float va[2] = {acc[nt][0], acc[nt][1]}, vb[2] = {acc[nt][2], acc[nt][3]};
+            if constexpr (kChains == 2) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                va[e] += acc[NT + nt][e];
+                vb[e] += acc[NT + nt][2 + e];
+              }
+            }
+            dot_a[i] = SPLIT ? va[0] + va[1] : va[c];
+            dot_b[i] = SPLIT ? vb[0] + vb[1] : vb[c];
+          }
         };
         const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
           if constexpr (DIGITS) {
@@ -1357,40 +1421,34 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             }
           } else {
             float acc[kChains * NT][4] = {};
-#pragma unroll
-            for (int s = 0; s < 16; ++s) {
-              const uint4 op = StepOperands(rows_order, chunks, s);
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
-                Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kSlots; ++i) {
-              const int nt = SPLIT ? i : i / 2, c = SPLIT ? 0 : i % 2;
-              float va[2] = {acc[nt][0], acc[nt][1]}, vb[2] = {acc[nt][2], acc[nt][3]};
-              if constexpr (kChains == 2) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  va[e] += acc[NT + nt][e];
-                  vb[e] += acc[NT + nt][2 + e];
-                }
-              }
-              dot_a[i] = SPLIT ? va[0] + va[1] : va[c];
-              dot_b[i] = SPLIT ? vb[0] + vb[1] : vb[c];
-            }
+            ColumnSums(rows_order, chunks, 0, 16, acc);
+            ColumnDots(acc);
           }
         };
         if (split_half) {
-          // k-steps 4-7 of the split tile (resident, in fragment order), then the producer's 0-3.
-          int acc[2][4] = {};
-          HalfTileSums(slot, 4, acc);
-          asm volatile("bar.sync %0, 64;" ::"r"(pair_barrier) : "memory");
-          const int4 producer_sums = split_sums[(warp % (kWarps / 2)) * 32 + lane];
-          const int c[4] = {acc[0][0] + acc[1][0] + producer_sums.x, acc[0][1] + acc[1][1] + producer_sums.y,
-                            acc[0][2] + acc[1][2] + producer_sums.z, acc[0][3] + acc[1][3] + producer_sums.w};
-          DigitDots(c);
+          // The second half of the split tile's k-steps (resident), then the producer's first half.
+          if constexpr (DIGITS) {
+            int acc[2][4] = {};
+            HalfTileSums(slot, 4, acc);
+            asm volatile("bar.sync %0, 64;" ::"r"(PairBarrier()) : "memory");
+            const uint4 producer_sums = PairSums()[0];
+            const int c[4] = {acc[0][0] + acc[1][0] + int(producer_sums.x), acc[0][1] + acc[1][1] + int(producer_sums.y),
+                              acc[0][2] + acc[1][2] + int(producer_sums.z), acc[0][3] + acc[1][3] + int(producer_sums.w)};
+            DigitDots(c);
+          } else {
+            float acc[kChains * NT][4] = {};
+            ColumnHalfSums(slot, 1, acc);
+            asm volatile("bar.sync %0, 64;" ::"r"(PairBarrier()) : "memory");
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint4 producer_sums = PairSums()[nt];
+              acc[nt][0] += __uint_as_float(producer_sums.x);
+              acc[nt][1] += __uint_as_float(producer_sums.y);
+              acc[nt][2] += __uint_as_float(producer_sums.z);
+              acc[nt][3] += __uint_as_float(producer_sums.w);
+            }
+            ColumnDots(acc);
+          }
         } else {
           WithChunks(TileDots);
         }
@@ -1724,26 +1782,29 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kAnyForm, PAIRS>;
   }
-  // The digit kernel's instances for the known launch forms (LaunchForm), which split tiles where a
-  // CTA's tiles leave at most half the warps a tile more (kSplitTiles; room for the producers' sums).
+  // The digit kernel's instances for the known launch forms (LaunchForm).
+  int form = kAnyForm;
   if constexpr (DIGITS) {
     const bool logits_form = args.base_dtype == kBF16 && args.logits != nullptr && (!args.sampling || args.noise_ahead);
-    const int extra = args.tiles_per_cta % (kThreads / 32);
-    args.split_tiles = extra > 0 && 2 * extra <= kThreads / 32;
     if (logits_form && args.logits_dtype == kBF16) {
+      form = kBF16LogitsForm;
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kBF16LogitsForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kBF16LogitsForm>;
     } else if (logits_form && args.logits_dtype == kF32) {
+      form = kF32LogitsForm;
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kF32LogitsForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kF32LogitsForm>;
     } else if (args.base_dtype == kBF16 && args.logits == nullptr && !args.sampling) {
+      form = kPlainForm;
       kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kPlainForm>
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
-    } else {
-      args.split_tiles = 0;
     }
   }
-  const int split_sum_bytes = args.split_tiles ? SplitSumBytes(kThreads) : 0;
+  // Kernels that split tiles do so where a CTA's tiles leave at most half the warps a tile more,
+  // given room for the producers' sums (WarpTiles).
+  const int extra = args.tiles_per_cta % (kThreads / 32);
+  args.split_tiles = SplitsTiles(NT, SPLIT, DIGITS, W2, PAIRS, form) && extra > 0 && 2 * extra <= kThreads / 32;
+  const int split_sum_bytes = args.split_tiles ? SplitSumBytes(kThreads, SplitLaneBytes(NT, DIGITS)) : 0;
   args.noise = nullptr;
   if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
