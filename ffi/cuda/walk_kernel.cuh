@@ -3,11 +3,12 @@
 // Design
 // - One CTA per SM. The vocabulary is cut into tiles of 16 W2 rows (16 x 256 elements: 4 KB in
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
-//   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
-//   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step (in most kernels
-//   but for the one each warp scored last, which stays in its prefetch registers for the next step:
-//   kKeepsStreamed). Each thread re-reads exactly the bytes it stored, so no barrier guards them.
+//   its run are bulk-copied into shared memory at the launch (the TMA unit, an mbarrier a round of
+//   tiles); once a warp's have landed, step 0 stores them back in the order its lanes read them (in
+//   fragment order where the MMA takes tile words as operands: one 16-byte load per MMA operand),
+//   and they stay there for steps 1..K-1; the rest stream from L2 every step (in most kernels but for the one
+//   each warp scored last, which stays in its prefetch registers for the next step: kKeepsStreamed).
+//   Each thread then re-reads exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
 //   own tile as 16 rows of A from registers (int8 -> fp16 is exact; fp16 and bf16 rows are used as
 //   they are), and B = e = W1[prev], 8 columns per n-tile, is read from shared memory once for the
@@ -39,6 +40,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -88,6 +90,9 @@ __host__ __device__ constexpr int TileChunks(int w2) { return 8 * W2Bytes(w2); }
 // stamps %globaltimer at each phase of each step, lane 0 of every warp when its tiles are scored.
 constexpr int kPhases = 6;  // step start, prefetches issued, wait over, e ready, scored, arrived
 constexpr int kMaxWarps = 16;
+// Rounds of resident tiles (a warp's i-th tile is in round i): at most kTileRounds x warps tiles are
+// resident (Launch), more than shared memory holds at 8 warps.
+constexpr int kTileRounds = 8;
 
 struct WalkArgs {
   const void* base;  // [B, K, V]
@@ -607,10 +612,11 @@ __host__ __device__ constexpr bool StagesLogits(int nt, bool split, bool digits,
 }
 
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
-// completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
+// completes once all its arrivals (each with its expect_tx) are made and all the bytes they expect
+// have landed.
 
-__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(arrivals) : "memory");
 }
 
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
@@ -658,6 +664,14 @@ __device__ __forceinline__ const uint4* TileChunk(const void* w2, int vocab, int
   const int row = min(row0 + g + (i < kHalf ? 0 : 8), vocab - 1);
   return reinterpret_cast<const uint4*>(static_cast<const char*>(w2) + size_t(row) * kRank * W2Bytes(W2)) +
          4 * (i % kHalf) + t;
+}
+
+// The byte offset of TileChunk's chunk i of lane (g, t) in a tile held as W2 stores it (its 16 rows
+// one after the other).
+template <int W2>
+__device__ __forceinline__ int StoredChunkOffset(int g, int t, int i) {
+  constexpr int kHalf = TileChunks(W2) / 2;
+  return (g + (i < kHalf ? 0 : 8)) * kRank * W2Bytes(W2) + 16 * (4 * (i % kHalf) + t);
 }
 
 // Lane (g, t)'s chunks of a tile, from L2: nothing waits for these loads until the tile is scored.
@@ -812,8 +826,8 @@ template <int NT, bool PAIRS = false>
 struct Smem {
   // B for 16 k-steps (FragWord), or for PAIRS 8 k32-steps of int8 digits (BuildDigitPairs).
   static constexpr int kFragBytes = (PAIRS ? 8 : 16) * kFragStepBytes<NT>;
-  // + the last-CTA flag, then two mbarriers a warp (the noise stage).
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
+  // + the last-CTA flag, then two mbarriers a warp (the noise stage) and one a round of resident tiles.
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8 + kTileRounds * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
   // A warp's noise stage (two tiles' [B][16] floats) and staged logits ([NT][2][8] pieces of 16 bytes;
   // f32 logits take two such arrays, their high and low halves).
@@ -859,6 +873,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
+  constexpr int kRowBytes = kRank * W2Bytes(W2);
   constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
@@ -878,9 +893,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
-  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
-  // latency.
-  constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
@@ -911,6 +923,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
   uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
+  uint64_t* round_bar = noise_bar + 2 * kMaxWarps;  // [kTileRounds]: resident tiles w + i W, all w, land on i's
   float* scales = reinterpret_cast<float*>(smem + Smem<NT, PAIRS>::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
@@ -950,9 +963,31 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
+  // Everything that does not depend on the walk starts moving now. First the resident tiles, all of
+  // them: lane 0 of each warp issues one bulk copy a tile (the TMA unit, in the order the warps score
+  // them), so that no thread's later loads (the scales, the W1 rows, the streamed tiles) queue behind
+  // W2 in its SM's load pipeline, as they did behind cp.async. Round i's barrier (the warps' i-th
+  // tiles) completes once they have all landed; step 0 puts each tile in the order it is read from.
+  const int n_cta_resident = min(a.resident_tiles, my_tiles);
+  if (tid == 0) {
+    for (int i = 0; i * kWarps < n_cta_resident; ++i) MbarrierInit(&round_bar[i], min(kWarps, n_cta_resident - i * kWarps));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  for (int i = 0; i < tiles.n_resident; ++i) {
+    const int j = tiles.Local(false, i), row0 = RowOf(j);
+    unsigned char* tile = resident + size_t(j) * kTileBytes;
+    const int bytes = min(kTileRows, vocab - row0) * kRowBytes;
+    if (lane == 0) {
+      MbarrierArriveExpectTx(&round_bar[i], bytes);
+      BulkCopyToShared(tile, static_cast<const char*>(a.w2) + size_t(row0) * kRowBytes, bytes, &round_bar[i]);
+    }
+    // Rows past V: zeros, as cp.async left them (their scores are never used).
+    for (int b = bytes + 16 * lane; b < kTileBytes; b += 16 * 32) *reinterpret_cast<uint4*>(tile + b) = make_uint4(0, 0, 0, 0);
+  }
   for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
   if (noise_pass && lane < 2) {
-    MbarrierInit(&noise_bar[2 * warp + lane]);
+    MbarrierInit(&noise_bar[2 * warp + lane], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   for (int b = tid; b < kMaxBatch; b += THREADS) {
@@ -966,23 +1001,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
-  // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
-  // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
-  // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
-  const auto LoadResident = [&](int i) {
-    const int j = tiles.Local(false, i), row0 = RowOf(j);
-    uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const bool inside = row0 + g + (c < kChunks / 2 ? 0 : 8) < vocab;
-      CpAsync16(slot + c * 32, TileChunk<W2>(a.w2, vocab, row0, g, t, c), inside);
-    }
-    CpAsyncCommit();
-  };
+  // Then step 0's base logits and this warp's first streamed tile (into registers).
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
-  for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
@@ -1132,8 +1153,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid - busy, THREADS - busy);
       }
     }
-    // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
-    if (STAGED) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    // The staged base logits' group.
+    if (STAGED) CpAsyncWaitPending(0);
     // The B fragments written above are read by the tensor cores through the async proxy.
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
@@ -1163,6 +1184,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
+    // Step 0: this warp's resident tiles, as they land, go from W2's order (the bulk copy's) to the
+    // order its lanes read: chunk i of the lane at slot[32 i], in fragment order where the MMA takes
+    // tile words as operands, in row order for the int8 -> fp16 conversion, which takes its words
+    // from anywhere. (Here, not in the tile loop: there the extra code made the 128-register kernels
+    // spill.)
+    if (k == 0) {
+      for (int i = 0; i < tiles.n_resident; ++i) {
+        unsigned char* tile = resident + size_t(tiles.Local(false, i)) * kTileBytes;
+        uint4 rows[kChunks];
+        MbarrierWait(&round_bar[i], 0);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) rows[c] = *reinterpret_cast<const uint4*>(tile + StoredChunkOffset<W2>(g, t, c));
+        __syncwarp();  // every lane's chunks are read before any is overwritten
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) reinterpret_cast<uint4*>(tile)[32 * c + lane] = kFragmentOrder ? FragmentChunk<W2>(rows, c, true) : rows[c];
+      }
+    }
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
@@ -1187,11 +1225,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           ++is;
           streamed_slot = tiles.StreamedSlot(is);
         } else {
-          if (k == 0) {
-            // Groups committed after tile im's: the tiles up to im + kLoadAhead.
-            if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
-            CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
-          }
           ++im;
         }
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
@@ -1205,20 +1238,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
-      // streamed tile is taken straight from the prefetch registers (row order), a resident one in
-      // fragment order, as step 0 stored it back after loading it (each lane rewrites only its own
-      // chunks; the int8 -> fp16 conversion takes its words from anywhere, so that path keeps its
-      // resident tiles in row order). Two copies of the operand code (no register copies of the
-      // prefetch registers), one of the MMAs and one of the epilogue.
+      // streamed tile is taken straight from the prefetch registers (row order), a resident one from
+      // lane-ordered chunks (slot[32 i]: chunk i of the lane, as step 0 stored it). Two copies of the
+      // operand code (no register copies of the prefetch registers), one of the MMAs and one of the
+      // epilogue.
       float dot_a[kSlots], dot_b[kSlots];
       uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-      if (active && !streamed && kFragmentOrder && k == 0) {
-        uint4 rows[kChunks];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
-      }
       // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
       // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
       // the chunks that `use` reads are loaded).
@@ -1680,7 +1705,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
   const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
-  args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
+  args.resident_tiles = std::min({args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes, kTileRounds * kThreads / 32});
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
   const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kThreads, props);
