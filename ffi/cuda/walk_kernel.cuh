@@ -963,17 +963,43 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
-  // Everything that does not depend on the walk starts moving now. First the resident tiles, all of
-  // them: lane 0 of each warp issues one bulk copy a tile (the TMA unit, in the order the warps score
-  // them), so that no thread's later loads (the scales, the W1 rows, the streamed tiles) queue behind
-  // W2 in its SM's load pipeline, as they did behind cp.async. Round i's barrier (the warps' i-th
-  // tiles) completes once they have all landed; step 0 puts each tile in the order it is read from.
+  // Everything that does not depend on the walk starts moving now, the small loads first: a load
+  // issued after W2's (the scales, the requests' state) lands after all of it. Each thread takes
+  // its share into registers before the copies and stores it after them.
+  static_assert(THREADS >= kMaxBatch, "a thread a request's state");
   const int n_cta_resident = min(a.resident_tiles, my_tiles);
   if (tid == 0) {
     for (int i = 0; i * kWarps < n_cta_resident; ++i) MbarrierInit(&round_bar[i], min(kWarps, n_cta_resident - i * kWarps));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  if (noise_pass && lane < 2) {
+    MbarrierInit(&noise_bar[2 * warp + lane], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const bool owns_request = tid < batch;
+  int anchor = 0;
+  float temp = 0.0f;
+  uint32_t key_lo = 0, key_hi = 0, position = 0;
+  if (owns_request) {
+    anchor = a.anchor[tid];
+    temp = a.temperature[tid];
+    key_lo = a.key[2 * tid];
+    key_hi = a.key[2 * tid + 1];
+    position = static_cast<uint32_t>(a.position[tid]);
+  }
+  // The W2 scales (a float W2 has none: 1 leaves its dot products as they are); GPUs with fewer SMs
+  // than kScaleLoads x THREADS rows a CTA load the rest after the copies.
+  constexpr int kScaleLoads = 4;
+  const auto ScaleOf = [&](int i) { return a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f); };
+  float scale_of[kScaleLoads];
+#pragma unroll
+  for (int r = 0; r < kScaleLoads; ++r) scale_of[r] = tid + r * THREADS < stage_rows ? ScaleOf(tid + r * THREADS) : 0.0f;
+  __syncthreads();  // the round barriers are initialized before any warp arrives on them
+  // The resident tiles, all of them: lane 0 of each warp issues one bulk copy a tile (the TMA unit,
+  // in the order the warps score them; cp.async, 16 bytes a lane, stalled the issuing warps while
+  // the loads queued). Round i's barrier (the warps' i-th tiles) completes once they have all landed;
+  // step 0 puts each tile in the order its lanes read.
   for (int i = 0; i < tiles.n_resident; ++i) {
     const int j = tiles.Local(false, i), row0 = RowOf(j);
     unsigned char* tile = resident + size_t(j) * kTileBytes;
@@ -985,34 +1011,26 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // Rows past V: zeros, as cp.async left them (their scores are never used).
     for (int b = bytes + 16 * lane; b < kTileBytes; b += 16 * 32) *reinterpret_cast<uint4*>(tile + b) = make_uint4(0, 0, 0, 0);
   }
-  for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
-  if (noise_pass && lane < 2) {
-    MbarrierInit(&noise_bar[2 * warp + lane], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (tid < kMaxBatch) cta_best[tid] = 0;
+  if (owns_request) {
+    prev[tid] = anchor;
+    inv_t[tid] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
+    key0[tid] = key_lo;
+    key1[tid] = key_hi;
+    pos[tid] = position;
   }
-  for (int b = tid; b < kMaxBatch; b += THREADS) {
-    cta_best[b] = 0;
-    if (b < batch) {
-      prev[b] = a.anchor[b];
-      const float temp = a.temperature[b];
-      inv_t[b] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
-      key0[b] = a.key[2 * b];
-      key1[b] = a.key[2 * b + 1];
-      pos[b] = static_cast<uint32_t>(a.position[b]);
-    }
+#pragma unroll
+  for (int r = 0; r < kScaleLoads; ++r) {
+    if (tid + r * THREADS < stage_rows) scales[tid + r * THREADS] = scale_of[r];
   }
+  for (int i = tid + kScaleLoads * THREADS; i < stage_rows; i += THREADS) scales[i] = ScaleOf(i);
   // Then step 0's base logits and this warp's first streamed tile (into registers).
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
-  // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
-  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
-  for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
-  }
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
+  const bool any_sampled = __syncthreads_or(a.sampling && owns_request && temp > 0.0f);
   const bool plain = !any_sampled && a.logits == nullptr;
   // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
   const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
