@@ -1387,8 +1387,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // known_form (std::true_type): the launch's common form, known here so that the rows' loads, stores
       // and noise take no selects (Session 23: 68 instructions a value at B = 16): bf16 base logits,
       // logits out in bf16 (the digit kernel: or float32, by its FORM), staged where this kernel stages
-      // them (kStagedOut: no store addresses), and the
-      // noise of sampled rows where this kernel reads it (kNoisePass: the tile's stage, else the fill's).
+      // them (kStagedOut: no store addresses), and the noise of sampled rows where this kernel reads it
+      // (kNoisePass: the tile's stage, else the fill's).
       // There the digit kernel splits the rows between lanes (kSplitRows): lane t = 0, 2 computes l of
       // rows g and g + 8 of request t / 2 and passes row g + 8's to lane t + 1, and each finishes one
       // (its rounding, store, noise and key) where both did two; step 3 merges lane t + 1's keys.
