@@ -1167,26 +1167,27 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
-    // Step 0: the rest of this warp's resident tiles are loaded, kLoadAhead tiles ahead, each stored
-    // back in fragment order once it has landed where the MMA takes tile words as operands (each
-    // lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes its words from
-    // anywhere, so that path keeps its resident tiles in row order). Here, before the tile loop,
-    // not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
+    // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
+    // ahead is issued, then (where the MMA takes tile words as operands) its chunks stored back in
+    // fragment order (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes
+    // its words from anywhere, so that path keeps its resident tiles in row order). Before the tile
+    // loop, not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
     // request (v78's timeline, benchmarks/NOTES.md Session 32).
-    if (!kStep0InLoop && k == 0) {
-      for (int i = 0; i < tiles.n_resident; ++i) {
-        // Groups committed after tile i's: the tiles up to i + kLoadAhead.
-        if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
-        CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
-        if constexpr (kFragmentOrder) {
-          uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
-          uint4 rows[kChunks];
+    const auto LandResident = [&](int i) {
+      // Groups committed after tile i's: the tiles up to i + kLoadAhead.
+      if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
+      CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
+      if constexpr (kFragmentOrder) {
+        uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
+        uint4 rows[kChunks];
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
+        for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
-        }
+        for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
       }
+    };
+    if (!kStep0InLoop && k == 0) {
+      for (int i = 0; i < tiles.n_resident; ++i) LandResident(i);
     }
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
@@ -1212,11 +1213,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           ++is;
           streamed_slot = tiles.StreamedSlot(is);
         } else {
-          if (kStep0InLoop && k == 0) {
-            // Groups committed after tile im's: the tiles up to im + kLoadAhead.
-            if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
-            CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
-          }
+          if (kStep0InLoop && k == 0) LandResident(im);
           ++im;
         }
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
@@ -1235,13 +1232,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // prefetch registers), one of the MMAs and one of the epilogue.
       float dot_a[kSlots], dot_b[kSlots];
       uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-      if (kStep0InLoop && active && !streamed && kFragmentOrder && k == 0) {
-        uint4 rows[kChunks];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
-      }
       // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
       // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
       // the chunks that `use` reads are loaded).
