@@ -892,6 +892,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
   // kChains independent accumulator chains per n-tile.
   constexpr bool kWgmma = !DIGITS && !PAIRS && NT >= 4;
+  // Whether step 0 loads and arranges the resident tiles in the tile loop, as it scores them, rather
+  // than before it: only in the wgmma kernels of 16-bit W2, where the arranging pass's 16 chunks a
+  // lane made ptxas spill in the tile loop (48 -> 116 bytes).
+  constexpr bool kStep0InLoop = kWgmma && W2 != kW2Int8;
   // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
   // Philox chains) before their branches; the others compute it row by row in the branches (where
   // their 128 registers a thread allow no more).
@@ -1163,6 +1167,28 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
+    // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
+    // ahead is issued, then (where the MMA takes tile words as operands) its chunks stored back in
+    // fragment order (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes
+    // its words from anywhere, so that path keeps its resident tiles in row order). Before the tile
+    // loop, not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
+    // request (v78's timeline, benchmarks/NOTES.md Session 32).
+    const auto LandResident = [&](int i) {
+      // Groups committed after tile i's: the tiles up to i + kLoadAhead.
+      if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
+      CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
+      if constexpr (kFragmentOrder) {
+        uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
+        uint4 rows[kChunks];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
+      }
+    };
+    if (!kStep0InLoop && k == 0) {
+      for (int i = 0; i < tiles.n_resident; ++i) LandResident(i);
+    }
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
@@ -1187,11 +1213,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           ++is;
           streamed_slot = tiles.StreamedSlot(is);
         } else {
-          if (k == 0) {
-            // Groups committed after tile im's: the tiles up to im + kLoadAhead.
-            if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
-            CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
-          }
+          if (kStep0InLoop && k == 0) LandResident(im);
           ++im;
         }
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
@@ -1205,20 +1227,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       }
       // Dot products of the tile's rows g and g + 8 with each owned request's e (still scaled). A
-      // streamed tile is taken straight from the prefetch registers (row order), a resident one in
-      // fragment order, as step 0 stored it back after loading it (each lane rewrites only its own
-      // chunks; the int8 -> fp16 conversion takes its words from anywhere, so that path keeps its
-      // resident tiles in row order). Two copies of the operand code (no register copies of the
+      // streamed tile is taken straight from the prefetch registers (row order), a resident one as
+      // step 0 left it (see above). Two copies of the operand code (no register copies of the
       // prefetch registers), one of the MMAs and one of the epilogue.
       float dot_a[kSlots], dot_b[kSlots];
       uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
-      if (active && !streamed && kFragmentOrder && k == 0) {
-        uint4 rows[kChunks];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) rows[i] = slot[i * 32];
-#pragma unroll
-        for (int i = 0; i < kChunks; ++i) slot[i * 32] = FragmentChunk<W2>(rows, i, true);
-      }
       // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed
       // tile, or those of a resident one from shared memory (zeros for a warp past its tiles; only
       // the chunks that `use` reads are loaded).
