@@ -574,6 +574,12 @@ __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool 
                : "memory");
 }
 
+// A 4-byte cp.async (src_bytes 0: the destination is zero-filled, nothing is read).
+__device__ __forceinline__ void CpAsync4(void* smem_dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(SharedAddress(smem_dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most n of this thread's cp.async groups are still in flight (n > 7 waits for 7).
@@ -658,6 +664,14 @@ __device__ __forceinline__ const uint4* TileChunk(const void* w2, int vocab, int
   const int row = min(row0 + g + (i < kHalf ? 0 : 8), vocab - 1);
   return reinterpret_cast<const uint4*>(static_cast<const char*>(w2) + size_t(row) * kRank * W2Bytes(W2)) +
          4 * (i % kHalf) + t;
+}
+
+// Asks L2 for a tile (lanes t = 0 take every 128-byte line of their rows g and g + 8).
+template <int W2>
+__device__ __forceinline__ void PrefetchTileL2(const void* w2, int vocab, int row0, int g, int t) {
+  if (t != 0) return;
+#pragma unroll
+  for (int i = 0; i < TileChunks(W2); i += 2) asm volatile("prefetch.global.L2 [%0];" ::"l"(TileChunk<W2>(w2, vocab, row0, g, 0, i)));
 }
 
 // Lane (g, t)'s chunks of a tile, from L2: nothing waits for these loads until the tile is scored.
@@ -959,21 +973,36 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  bool samples = false;  // whether this thread's request samples
   for (int b = tid; b < kMaxBatch; b += THREADS) {
     cta_best[b] = 0;
     if (b < batch) {
       prev[b] = a.anchor[b];
       const float temp = a.temperature[b];
-      inv_t[b] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
+      samples = a.sampling && temp > 0.0f;
+      inv_t[b] = samples ? 1.0f / temp : 0.0f;
       key0[b] = a.key[2 * b];
       key1[b] = a.key[2 * b + 1];
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
-  // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
-  // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
-  // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
+  // Everything that does not depend on the walk starts moving now, the small loads first: a load
+  // issued after the flood of W2 lands after all of it (NOTES, Session 32). The W2 scales (one
+  // cp.async group, so that no thread waits for them here; a float W2 has none: 1 leaves its dot
+  // products as they are), step 0's base logits, then this warp's resident tiles (one cp.async
+  // group per tile, in scoring order, each lane copying the chunks it will read itself): all of them,
+  // since step 0 lands them all before it scores (the wgmma kernels of 16-bit W2, which land each
+  // tile as they score it, issue kLoadAhead ahead). Then its first streamed tile into registers and
+  // the others toward L2, where the tile loop's loads find them.
+  for (int i = tid; i < stage_rows; i += THREADS) {
+    if (a.scale == nullptr) {
+      scales[i] = 1.0f;
+    } else {
+      CpAsync4(scales + i, a.scale + (i < my_rows ? first_row + i : 0), i < my_rows ? 4 : 0);
+    }
+  }
+  CpAsyncCommit();
+  const int issued_ahead = kStep0InLoop ? min(kLoadAhead, tiles.n_resident) : tiles.n_resident;
   const auto LoadResident = [&](int i) {
     const int j = tiles.Local(false, i), row0 = RowOf(j);
     uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
@@ -986,16 +1015,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   };
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
-  for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
+  for (int i = 0; i < issued_ahead; ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
-  // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
-  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
-  for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
-  }
+  for (int i = 1; i < tiles.n_streamed; ++i) PrefetchTileL2<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, i)), g, t);
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
+  const bool any_sampled = __syncthreads_or(samples);
   const bool plain = !any_sampled && a.logits == nullptr;
   // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
   const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
@@ -1136,8 +1161,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid - busy, THREADS - busy);
       }
     }
-    // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
-    if (STAGED) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    // The staged base logits' group; at step 0 also the scales' group and the resident tiles'
+    // (the kStep0InLoop kernels: those not yet scored may still be pending).
+    if (STAGED || k == 0) CpAsyncWaitPending(kStep0InLoop && k == 0 ? issued_ahead : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
@@ -1167,16 +1193,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
-    // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
-    // ahead is issued, then (where the MMA takes tile words as operands) its chunks stored back in
-    // fragment order (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes
-    // its words from anywhere, so that path keeps its resident tiles in row order). Before the tile
+    // Step 0 lands this warp's resident tiles: tile i's load waited for (in the kStep0InLoop kernels
+    // once the tile kLoadAhead ahead is issued), then (where the MMA takes tile words as operands)
+    // its chunks stored back in fragment order (each lane rewrites only the chunks it copied; the
+    // int8 -> fp16 conversion takes its words from anywhere, so that path keeps its resident tiles in
+    // row order). Before the tile
     // loop, not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
     // request (v78's timeline, benchmarks/NOTES.md Session 32).
     const auto LandResident = [&](int i) {
-      // Groups committed after tile i's: the tiles up to i + kLoadAhead.
-      if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
-      CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
+      // Groups committed after tile i's: the tiles up to i + kLoadAhead (the others waited for all).
+      if (kStep0InLoop) {
+        if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
+        CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
+      }
       if constexpr (kFragmentOrder) {
         uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
         uint4 rows[kChunks];
