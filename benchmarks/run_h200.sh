@@ -8,10 +8,15 @@
 # Writes into OUT_DIR: h200_test_cuda.log, h200_timeline.{md,json}, h200.{md,json,png},
 # h200_gpu_timing.log, h200_memcheck.log, h200_racecheck.log (copy them to benchmarks/results/ and
 # logs/ as they are). The commit recorded in the tables is $JAX_MARKOV_COMMIT or git's HEAD; set it
-# on the device tool's machine, where git's HEAD once named an older commit than the tree that ran.
+# on the device tool's machine, where git's HEAD has named an older commit than the tree that ran
+# (the script refuses to run without it where the tracked files differ from HEAD's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]}
+if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && ! git diff --quiet HEAD -- 2>/dev/null; then
+  echo "run_h200.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
+  exit 2
+fi
 shift
 parts=${*:-tests timeline table sanitizers}
 mkdir -p "$out"
