@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]}
-if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && ! git diff --quiet HEAD -- 2>/dev/null; then
+if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && git rev-parse --is-inside-work-tree > /dev/null 2>&1 && ! git diff --quiet HEAD --; then
   echo "run_h200.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
   exit 2
 fi
