@@ -959,12 +959,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  bool samples = false;  // whether this thread's request samples
   for (int b = tid; b < kMaxBatch; b += THREADS) {
     cta_best[b] = 0;
     if (b < batch) {
       prev[b] = a.anchor[b];
       const float temp = a.temperature[b];
-      inv_t[b] = a.sampling && temp > 0.0f ? 1.0f / temp : 0.0f;
+      samples = a.sampling && temp > 0.0f;
+      inv_t[b] = samples ? 1.0f / temp : 0.0f;
       key0[b] = a.key[2 * b];
       key1[b] = a.key[2 * b + 1];
       pos[b] = static_cast<uint32_t>(a.position[b]);
@@ -984,18 +986,44 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     }
     CpAsyncCommit();
   };
+  // e_b = W1[row_b] of this warp's requests first, first + kWarps, ... (one batch of loads) as
+  // MMA operands in shared memory.
+  const auto BuildE = [&](int k, int first, const uint4 (&w1_raw)[kRowsPerPass][2]) {
+#pragma unroll
+    for (int u = 0; u < kRowsPerPass; ++u) {
+      const int b = first + u * kWarps;
+      if (b >= batch) break;
+      if constexpr (DIGITS) {
+        BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
+      } else if constexpr (PAIRS) {
+        BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
+      } else {
+        BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
+      }
+    }
+  };
+  // Step 0's small loads go first, since a load issued after the flood of W2 lands after all of it
+  // (NOTES, Session 32): the W2 scales (a float W2 has none: 1 leaves its dot products as they
+  // are), then the anchors' W1 rows, whose e is built once the flood is on its way.
+  for (int i = tid; i < stage_rows; i += THREADS) {
+    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+  }
+  __syncthreads();  // the anchors in prev, the zeroed operands
+  uint4 anchor_w1[kRowsPerPass][2];
+  {
+    int anchor[kRowsPerPass];
+#pragma unroll
+    for (int u = 0; u < kRowsPerPass; ++u) anchor[u] = prev[min(warp + u * kWarps, batch - 1)];
+    LoadW1Rows(a, anchor, lane, anchor_w1);
+  }
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
-  // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
-  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
-  for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
-  }
+  BuildE(0, warp, anchor_w1);  // kRowsPerPass x kWarps = kMaxBatch: one pass
   // Greedy rows with no logits out take a scoring epilogue without branches.
-  const bool any_sampled = __syncthreads_or(a.sampling && tid < batch && a.temperature[tid] > 0.0f);
+  const bool any_sampled = __syncthreads_or(samples);
   const bool plain = !any_sampled && a.logits == nullptr;
   // Scoring computes no noise when the fill or MarkovWalkNoise has (or no row samples).
   const bool noise_free = !any_sampled || a.noise_ahead || noise_pass;
@@ -1086,13 +1114,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
     // 1. Step k-1's choices; e_b = W1[prev_b] -> fp16 B fragments. Lane L holds e[8L .. 8L+7]. A
     //    warp reads the keys of kRowsPerPass requests, then their W1 rows, before converting any
-    //    (each in one batch of loads: one L2 round trip each, not one per request).
-    for (int first = warp; first < batch; first += kWarps * kRowsPerPass) {
+    //    (each in one batch of loads: one L2 round trip each, not one per request). Step 0's e was
+    //    built before the loop.
+    for (int first = warp; k > 0 && first < batch; first += kWarps * kRowsPerPass) {
       int row[kRowsPerPass];
-      if (k == 0) {
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
-      } else if (direct) {
+      if (direct) {
         // A warp walks at most kDirectPerWarp requests here.
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) {
@@ -1102,25 +1128,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       } else {
         FetchChoices(a.slots, (k - 1) * kMaxBatch, first, kWarps, batch, row);
       }
-      if (k > 0 && a.d2t != nullptr) DraftToTarget(a.d2t, row);
-      if (k > 0 && blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, first, kWarps, row);
+      if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
+      if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, first, kWarps, row);
       if (k == steps) continue;
       uint4 w1_raw[kRowsPerPass][2];
       LoadW1Rows(a, row, lane, w1_raw);
-#pragma unroll
-      for (int u = 0; u < kRowsPerPass; ++u) {
-        const int b = first + u * kWarps;
-        if (b >= batch) break;
-        if constexpr (DIGITS) {
-          BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
-        } else {
-          if constexpr (PAIRS) {
-            BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
-          } else {
-            BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
-          }
-        }
-      }
+      BuildE(k, first, w1_raw);
     }
     if (k == steps) {
       Stamp(a, k, 3);
