@@ -1021,7 +1021,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
-  BuildE(0, warp, anchor_w1);  // kRowsPerPass x kWarps = kMaxBatch: one pass
+  static_assert(kRowsPerPass * kWarps >= kMaxBatch, "step 0's e is built in one pass");
+  BuildE(0, warp, anchor_w1);
   // Greedy rows with no logits out take a scoring epilogue without branches.
   const bool any_sampled = __syncthreads_or(samples);
   const bool plain = !any_sampled && a.logits == nullptr;
