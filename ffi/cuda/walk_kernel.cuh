@@ -660,6 +660,14 @@ __device__ __forceinline__ const uint4* TileChunk(const void* w2, int vocab, int
          4 * (i % kHalf) + t;
 }
 
+// Asks L2 for a tile (lanes t = 0 take every 128-byte line of their rows g and g + 8).
+template <int W2>
+__device__ __forceinline__ void PrefetchTileL2(const void* w2, int vocab, int row0, int g, int t) {
+  if (t != 0) return;
+#pragma unroll
+  for (int i = 0; i < TileChunks(W2); i += 2) asm volatile("prefetch.global.L2 [%0];" ::"l"(TileChunk<W2>(w2, vocab, row0, g, 0, i)));
+}
+
 // Lane (g, t)'s chunks of a tile, from L2: nothing waits for these loads until the tile is scored.
 template <int W2>
 __device__ __forceinline__ void LoadTileGlobal(const void* w2, int vocab, int row0, int g, int t,
@@ -881,12 +889,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
   // latency.
   constexpr int kLoadAhead = 2;
-  // Resident tiles in fragment order where MMA operands are tile words as they stand.
-  constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
+  // Resident tiles in fragment order where MMA operands are tile words as they stand and ptxas
+  // needs it (the digit kernel takes its words from row order at no cost in instructions).
+  constexpr bool kFragmentOrder = PAIRS || W2 != kW2Int8;
+  // Whether step 0 scores each resident tile once its own copy has landed, in the tile loop (all of
+  // them issued at the launch, so that a wait is the loop's only step-0 code), rather than after a
+  // pass that lands and arranges them all: where they stay in the row order they were copied in.
+  constexpr bool kLandInLoop = !kFragmentOrder;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
   // (WarpTiles::Streamed). The digit kernel's instance for any launch spills registers with it, and
   // the int8 -> fp16 kernels, whose scoring is bound by the conversion, gain nothing (NOTES, Session 30).
-  constexpr bool kKeepsStreamed = kFragmentOrder && (FORM != kAnyForm || !DIGITS);
+  constexpr bool kKeepsStreamed = (DIGITS || kFragmentOrder) && (FORM != kAnyForm || !DIGITS);
   // Batches of 17 and more requests score on the warpgroup's tensor cores (wgmma), in batches of
   // kBatch k-steps whose A operands stay in registers until their MMAs are done; smaller ones (where
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
@@ -1018,9 +1031,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
-  for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
+  // kLandInLoop: the first streamed tile (the first tile the loop scores) and the second one (asked
+  // of L2) ahead of the resident tiles, which the loop comes to in the order they land.
   uint4 pre[kChunks];
-  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+  if (kLandInLoop && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+  if (kLandInLoop && tiles.n_streamed > 1) PrefetchTileL2<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 1)), g, t);
+  const int issued = kLandInLoop ? tiles.n_resident : min(kLoadAhead, tiles.n_resident);
+  for (int i = 0; i < issued; ++i) LoadResident(i);
+  if (!kLandInLoop && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   static_assert(kRowsPerPass * kWarps >= kMaxBatch, "step 0's e is built in one pass");
   BuildE(0, warp, anchor_w1);
   // Greedy rows with no logits out take a scoring epilogue without branches.
@@ -1151,7 +1169,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       }
     }
     // The staged base logits' group; at step 0 the first resident tiles' groups may still be pending.
-    if (STAGED) CpAsyncWaitPending(k == 0 ? min(kLoadAhead, tiles.n_resident) : 0);
+    if (STAGED) CpAsyncWaitPending(k == 0 ? issued : 0);
     // The B fragments written above are read by the tensor cores through the async proxy.
     if constexpr (kWgmma) FenceSharedForAsyncProxy();
     __syncthreads();
@@ -1181,26 +1199,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
-    // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
-    // ahead is issued, then (where the MMA takes tile words as operands) its chunks stored back in
-    // fragment order (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes
-    // its words from anywhere, so that path keeps its resident tiles in row order). Before the tile
-    // loop, not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
-    // request (v78's timeline, benchmarks/NOTES.md Session 32).
+    // Step 0 lands this warp's resident tiles where they go to fragment order (kLandInLoop kernels
+    // wait for each in the tile loop): tile i's load waited for once the tile kLoadAhead ahead is
+    // issued, then its chunks stored back in fragment order (each lane rewrites only the chunks it
+    // copied). Before the tile loop, not in it: the loop's step-0 code cost every later step 7 % of
+    // its score phase at one request (v78's timeline, benchmarks/NOTES.md Session 32).
     const auto LandResident = [&](int i) {
       // Groups committed after tile i's: the tiles up to i + kLoadAhead.
       if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
       CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - i));
-      if constexpr (kFragmentOrder) {
-        uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
-        uint4 rows[kChunks];
+      uint4* slot = reinterpret_cast<uint4*>(resident + size_t(tiles.Local(false, i)) * kTileBytes) + lane;
+      uint4 rows[kChunks];
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
+      for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
-      }
+      for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
     };
-    if (!kStep0InLoop && k == 0) {
+    if (!kStep0InLoop && !kLandInLoop && k == 0) {
       for (int i = 0; i < tiles.n_resident; ++i) LandResident(i);
     }
     int im = 0, is = 0;
@@ -1228,6 +1243,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           streamed_slot = tiles.StreamedSlot(is);
         } else {
           if (kStep0InLoop && k == 0) LandResident(im);
+          if (kLandInLoop && k == 0) CpAsyncWaitPending(tiles.n_resident - 1 - im);  // the tiles after it may be in flight
           ++im;
         }
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
