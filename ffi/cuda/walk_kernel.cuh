@@ -985,10 +985,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
-  // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
-  // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
-  // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
+  // Resident tile i of this warp into shared memory: one cp.async group per tile, in scoring order,
+  // each lane copying the chunks it will read itself.
   const auto LoadResident = [&](int i) {
     const int j = tiles.Local(false, i), row0 = RowOf(j);
     uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
@@ -1029,10 +1027,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     for (int u = 0; u < kRowsPerPass; ++u) anchor[u] = prev[min(warp + u * kWarps, batch - 1)];
     LoadW1Rows(a, anchor, lane, anchor_w1);
   }
-  if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
-  if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
-  // kLandInLoop: the first streamed tile (the first tile the loop scores) and the second one (asked
-  // of L2) ahead of the resident tiles, which the loop comes to in the order they land.
+  // Then everything else that does not depend on the walk: step 0's base logits, this warp's
+  // resident tiles (kLandInLoop: all of them; otherwise the first kLoadAhead, and step 0 issues the
+  // rest kLoadAhead ahead as it lands them) and its first streamed tile into registers. kLandInLoop
+  // puts that tile (the first one the loop scores) and the second (asked of L2) ahead of the
+  // resident tiles, which the loop then comes to in the order they land.
   uint4 pre[kChunks];
   if (kLandInLoop && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   if (kLandInLoop && tiles.n_streamed > 1) PrefetchTileL2<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 1)), g, t);
