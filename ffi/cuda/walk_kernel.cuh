@@ -4,8 +4,9 @@
 // - One CTA per SM. The vocabulary is cut into tiles of 16 W2 rows (16 x 256 elements: 4 KB in
 //   int8, 8 KB in fp16/bf16); CTA c owns a contiguous run of tiles. The first `resident_tiles` of
 //   its run are copied into shared memory while step 0 reads them from HBM, and stay there for
-//   steps 1..K-1 (where the MMA takes tile words as operands, step 0 stores them back in fragment
-//   order: one 16-byte load per MMA operand); the rest stream from L2 every step (in most kernels
+//   steps 1..K-1 (int8 tiles but the digit pairs' stay in row order, and step 0 scores each as its
+//   copy lands; the others step 0 stores back in fragment order first: one 16-byte load per MMA
+//   operand); the rest stream from L2 every step (in most kernels
 //   but for the one each warp scored last, which stays in its prefetch registers for the next step:
 //   kKeepsStreamed). Each thread re-reads exactly the bytes it stored, so no barrier guards them.
 // - Scoring uses the warpgroup's tensor cores (wgmma m64nNk16): each warp of a warpgroup gives its
