@@ -1036,7 +1036,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint4 pre[kChunks];
   if (kLandInLoop && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   if (kLandInLoop && tiles.n_streamed > 1) PrefetchTileL2<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 1)), g, t);
-  const int issued = kLandInLoop ? tiles.n_resident : min(kLoadAhead, tiles.n_resident);
+  const int issued = min(kLoadAhead, tiles.n_resident);
   for (int i = 0; i < issued; ++i) LoadResident(i);
   if (!kLandInLoop && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   static_assert(kRowsPerPass * kWarps >= kMaxBatch, "step 0's e is built in one pass");
@@ -1243,7 +1243,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           streamed_slot = tiles.StreamedSlot(is);
         } else {
           if (kStep0InLoop && k == 0) LandResident(im);
-          if (kLandInLoop && k == 0) CpAsyncWaitPending(tiles.n_resident - 1 - im);  // the tiles after it may be in flight
+          if (kLandInLoop && k == 0) {  // issue the tile kLoadAhead ahead, wait for this one
+            if (im + kLoadAhead < tiles.n_resident) LoadResident(im + kLoadAhead);
+            CpAsyncWaitPending(min(kLoadAhead, tiles.n_resident - 1 - im));
+          }
           ++im;
         }
         if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
