@@ -12,7 +12,7 @@
 //   64 W2 rows, int8 as stored, in shared memory. wgmma m64n64k32 s8 needs no conversion of W2 and
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
-// - Three warpgroups share a CTA's tiles round-robin (one scores while the others run their
+// - Two warpgroups share a CTA's tiles round-robin (one scores while the others run their
 //   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
 //   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
 //   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
@@ -44,7 +44,7 @@ namespace walk {
 
 constexpr int kTransposedTileRows = 64;
 constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
-constexpr int kTransposedWarpgroups = 3;
+constexpr int kTransposedWarpgroups = 2;
 constexpr int kTransposedThreads = 128 * kTransposedWarpgroups;
 
 // Byte offset of element (row, k) of a `rows` x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
@@ -83,7 +83,7 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
 // that warpgroup j reads the 64 rows from row 16 j on: its warp w then scores the requests that warp
 // (w + j) % 4 holds in operand rows 0-63.
 // Below 64 requests some warps hold two requests a thread and the others one, and a sampled request's
-// noise is most of a thread's work; the three warpgroups put warp w on the same SM sub-partition, so
+// noise is most of a thread's work; the warpgroups put warp w on the same SM sub-partition, so
 // that without the rotation the sub-partitions of the first warps made all the second requests' noise.
 template <bool PACKED, bool ROTATED>
 struct DigitLayout {
