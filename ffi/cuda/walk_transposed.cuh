@@ -336,6 +336,23 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
     //    (PACKED: request 8 w + g; ROTATED: 8 ((w + wg) % 4) + g + 32 r) over its rows 16 t .. 16 t + 15
     //    of each tile.
     const auto RequestOf = [&](int r) { return Digits::Request(w, wg, g, r); };
+    // The plain walk holds its warp's 16 rows of the A operands in registers for the whole step
+    // (a_frag[d][s]: k-slab s of operand d), so that its wgmmas read only the W2 tile from shared
+    // memory; the general epilogues need those registers.
+    uint32_t a_frag[GENERAL ? 1 : kBlocks][GENERAL ? 1 : kRank / 32][4];
+    if constexpr (!GENERAL) {
+#pragma unroll
+      for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+        for (int s = 0; s < kRank / 32; ++s) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int at = d * Digits::kOperandBytes + OperandOffset(Digits::kRows, 16 * w + g + 8 * (q & 1), 32 * s + 16 * (q >> 1) + 4 * t);
+            a_frag[d][s][q] = *reinterpret_cast<const uint32_t*>(digits + at);
+          }
+        }
+      }
+    }
     // A warp whose requests all lie past the batch (its first, request RequestOf(0) - g, does) joins its
     // warpgroup's wgmmas only.
     const bool warp_idle = RequestOf(0) - g >= batch;
@@ -394,7 +411,14 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
-        for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
+        for (int s = 0; s < kRank / 32; ++s) {
+          const uint64_t b_desc = WgmmaDescriptor(tile + s * 2048, 128, 256);
+          if constexpr (GENERAL) {
+            WgmmaS8(acc[d], ADesc(d, s), b_desc, s > 0);
+          } else {
+            WgmmaS8(acc[d], a_frag[d][s][0], a_frag[d][s][1], a_frag[d][s][2], a_frag[d][s][3], b_desc, s > 0);
+          }
+        }
       }
       WgmmaCommit();
       WgmmaWaitGroup<0>();
