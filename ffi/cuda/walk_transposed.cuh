@@ -394,7 +394,12 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         FenceSharedForAsyncProxy();
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
       }
-      int acc[kBlocks][32];
+      // The tile's sums: acc[h][d][4 j + e] is accumulator 4 (4 h + j) + e of m64n64k32's layout (a
+      // thread's rows 16 t .. 16 t + 7 for h = 0, 16 t + 8 .. 16 t + 15 for h = 1). The plain walk
+      // computes the two halves of 32 columns as two wgmma groups (its A in registers, so that the
+      // halves read no more shared memory than one) and chooses from the first while the tensor cores
+      // compute the second; the others take one group.
+      int acc[2][kBlocks][16];
       // The A operands of k-slab s, from row 0 (ROTATED: row 16 wg). A rotated descriptor is one made
       // here plus a constant: the asm hides where its shift comes from, so that the compiler neither
       // holds all sixteen in ordinary registers through the epilogue (it cannot tell that wg is uniform,
@@ -408,29 +413,47 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
       };
       WgmmaFence();
+      if constexpr (GENERAL) {
 #pragma unroll
-      for (int d = 0; d < kBlocks; ++d) {
+        for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
-        for (int s = 0; s < kRank / 32; ++s) {
-          const uint64_t b_desc = WgmmaDescriptor(tile + s * 2048, 128, 256);
-          if constexpr (GENERAL) {
-            WgmmaS8(acc[d], ADesc(d, s), b_desc, s > 0);
-          } else {
-            WgmmaS8(acc[d], a_frag[d][s][0], a_frag[d][s][1], a_frag[d][s][2], a_frag[d][s][3], b_desc, s > 0);
+          for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[0][d], acc[1][d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
+        }
+        WgmmaCommit();
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+            for (int s = 0; s < kRank / 32; ++s) {
+              const uint32_t(&af)[4] = a_frag[GENERAL ? 0 : d][GENERAL ? 0 : s];
+              WgmmaS8N32(acc[h][d], af[0], af[1], af[2], af[3], WgmmaDescriptor(tile + s * 2048 + h * 1024, 128, 256), s > 0);
+            }
           }
+          WgmmaCommit();
         }
       }
-      WgmmaCommit();
-      WgmmaWaitGroup<0>();
+      // Keeps every read of half h's sums after the wait for them.
+      const auto Pin = [&](int h) {
 #pragma unroll
-      for (int d = 0; d < kBlocks; ++d) {
+        for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
-        for (int e = 0; e < 32; ++e) asm volatile("" : "+r"(acc[d][e])::"memory");
-      }
-      if (streamed) {
-        // Every warp's wgmmas have read the slot: the warpgroup's next streamed tile goes in.
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
-        CopyStreamed(++consumed);
+          for (int e = 0; e < 16; ++e) asm volatile("" : "+r"(acc[h][d][e])::"memory");
+        }
+      };
+      // Every warp's wgmmas have read the slot: the warpgroup's next streamed tile goes in.
+      const auto ReleaseSlot = [&] {
+        if (streamed) {
+          asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+          CopyStreamed(++consumed);
+        }
+      };
+      if constexpr (GENERAL) {
+        WgmmaWaitGroup<0>();
+        Pin(0);
+        Pin(1);
+        ReleaseSlot();
       }
       // l = base + (scale x dot) x unscale x logit_scale, rounded as MarkovWalkKernel rounds it; -inf
       // at and past vocab_size (only a tile that reaches vocab_size checks). The rows of a thread come
@@ -440,13 +463,14 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       // the digits' sums are (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
       const auto ScaledDot = [&](int j, int e) {
         const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
-        const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
-        const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
+        const int(&half)[kBlocks][16] = acc[j / 4];
+        const int high = PACKED ? half[0][4 * (j % 4) + e + 2] : half[kBlocks - 1][4 * (j % 4) + e];
+        const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(half[0][4 * (j % 4) + e]));
         return (e % 2 ? sc.y : sc.x) * dot;
       };
-      const auto Epilogue = [&](auto partial) {
+      const auto Epilogue = [&](auto partial, auto h) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 4 * decltype(h)::value; j < 4 * decltype(h)::value + 4; ++j) {
 #pragma unroll
           for (int e = 0; e < 2 * kRequests; ++e) {
             const int r = e / 2, row = thread_row0 + 2 * j + e % 2;
@@ -539,11 +563,20 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
           GeneralFor(std::false_type());
         }
       } else {
-        if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
-          Epilogue(std::true_type());
-        } else if (!warp_idle) {
-          Epilogue(std::false_type());
-        }
+        const auto PlainHalf = [&](auto h) {
+          if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
+            Epilogue(std::true_type(), h);
+          } else if (!warp_idle) {
+            Epilogue(std::false_type(), h);
+          }
+        };
+        WgmmaWaitGroup<1>();
+        Pin(0);
+        PlainHalf(std::integral_constant<int, 0>());
+        WgmmaWaitGroup<0>();
+        Pin(1);
+        ReleaseSlot();
+        PlainHalf(std::integral_constant<int, 1>());
       }
     }
     StampWarp(a, k, warp);
