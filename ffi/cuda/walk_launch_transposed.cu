@@ -13,29 +13,47 @@ int TilesPerCta(int vocab, int grid) {
   return (total_tiles + grid - 1) / grid;
 }
 
-// The shared memory of a layout's CTA that is not resident W2 tiles (rotated: see DigitLayout).
-int FixedBytes(bool packed, bool rotated, int tiles_per_cta) {
-  const int rows_per_cta = tiles_per_cta * kTransposedTileRows;
-  if (packed) return TransposedSmem<true, false>::FixedBytes(rows_per_cta);
-  return rotated ? TransposedSmem<false, true>::FixedBytes(rows_per_cta) : TransposedSmem<false, false>::FixedBytes(rows_per_cta);
-}
-
-// Whether a layout's CTA fits at all, judged by its larger fixed part (unpacked: the rotated one), so
-// that which kernel a launch takes does not depend on whether it samples or on its batch.
-bool LayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
-  return FixedBytes(packed, !packed, tiles_per_cta) <= props.smem_per_block;
-}
-
 // Whether a launch walks in DigitLayout's rotated order.
 bool Rotated(bool packed, const WalkArgs& args) { return !packed && args.sampling && args.batch <= kRotatedMaxBatch; }
 
-template <int BASE, bool PACKED>
-auto KernelFor(const WalkArgs& args) {
-  if constexpr (!PACKED) {
-    if (Rotated(PACKED, args)) return MarkovWalkTransposedKernel<BASE, PACKED, kRotatedSampledWalk>;
+// The walk (TransposedWalk) that a launch takes.
+int WalkOf(bool packed, const WalkArgs& args) {
+  if (Rotated(packed, args)) return kRotatedSampledWalk;
+  if (args.sampling) return kSampledWalk;
+  return args.logits != nullptr ? kLogitsWalk : kPlainWalk;
+}
+
+template <bool PACKED, bool ROTATED, int WARPGROUPS>
+int SmemFixedBytes(int tiles_per_cta) {
+  return TransposedSmem<PACKED, ROTATED, WARPGROUPS>::FixedBytes(tiles_per_cta * kTransposedTileRows);
+}
+
+// The shared memory of a walk's CTA that is not resident W2 tiles.
+int FixedBytes(bool packed, int walk, int base, int tiles_per_cta) {
+  const bool four = TransposedWarpgroups(walk, base) == 4;
+  if (packed) return four ? SmemFixedBytes<true, false, 4>(tiles_per_cta) : SmemFixedBytes<true, false, 3>(tiles_per_cta);
+  if (walk == kRotatedSampledWalk) return SmemFixedBytes<false, true, 3>(tiles_per_cta);
+  return four ? SmemFixedBytes<false, false, 4>(tiles_per_cta) : SmemFixedBytes<false, false, 3>(tiles_per_cta);
+}
+
+// Whether a layout's CTA fits at all, judged by the largest fixed part of its walks, so that which
+// kernel a launch takes does not depend on whether it samples, on its batch or on its base dtype.
+bool LayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
+  int largest = 0;
+  for (int walk : {kPlainWalk, kLogitsWalk, kSampledWalk, kRotatedSampledWalk}) {
+    if (packed && walk == kRotatedSampledWalk) continue;
+    for (int base : {kBF16, kF32}) largest = std::max(largest, FixedBytes(packed, walk, base, tiles_per_cta));
   }
-  if (args.sampling) return MarkovWalkTransposedKernel<BASE, PACKED, kSampledWalk>;
-  return args.logits != nullptr ? MarkovWalkTransposedKernel<BASE, PACKED, kLogitsWalk> : MarkovWalkTransposedKernel<BASE, PACKED, kPlainWalk>;
+  return largest <= props.smem_per_block;
+}
+
+template <int BASE, bool PACKED>
+auto KernelFor(int walk) {
+  if constexpr (!PACKED) {
+    if (walk == kRotatedSampledWalk) return MarkovWalkTransposedKernel<BASE, PACKED, kRotatedSampledWalk>;
+  }
+  if (walk == kSampledWalk) return MarkovWalkTransposedKernel<BASE, PACKED, kSampledWalk>;
+  return walk == kLogitsWalk ? MarkovWalkTransposedKernel<BASE, PACKED, kLogitsWalk> : MarkovWalkTransposedKernel<BASE, PACKED, kPlainWalk>;
 }
 
 template <bool PACKED>
@@ -44,16 +62,18 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
   const int grid = props.sm_count;
   args.tiles_per_cta = TilesPerCta(args.vocab, grid);
   if (!LayoutFits(PACKED, args.tiles_per_cta, props)) return ffi::Error::Success();
-  const int fixed = FixedBytes(PACKED, Rotated(PACKED, args), args.tiles_per_cta);
+  const int walk = WalkOf(PACKED, args);
+  const int fixed = FixedBytes(PACKED, walk, args.base_dtype, args.tiles_per_cta);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
   const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
-  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(args)
-                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(args)
-                                           : KernelFor<kF16, PACKED>(args);
-  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, kTransposedThreads, props);
+  const int threads = 128 * TransposedWarpgroups(walk, args.base_dtype);
+  auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(walk)
+                : args.base_dtype == kBF16 ? KernelFor<kBF16, PACKED>(walk)
+                                           : KernelFor<kF16, PACKED>(walk);
+  const cudaError_t prepared = PrepareOnce(reinterpret_cast<const void*>(kernel), device, threads, props);
   if (prepared != cudaSuccess) return CudaError("preparing the transposed kernel", prepared);
   void* params[] = {&args};
-  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(kTransposedThreads), params, smem, stream);
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(grid), dim3(threads), params, smem, stream);
   if (err != cudaSuccess) return CudaError("cudaLaunchCooperativeKernel (transposed)", err);
   *launched = true;
   return ffi::Error::Success();

@@ -12,8 +12,8 @@
 //   64 W2 rows, int8 as stored, in shared memory. wgmma m64n64k32 s8 needs no conversion of W2 and
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
-// - Three warpgroups share a CTA's tiles round-robin (one scores while the others run their
-//   epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
+// - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
+//   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
 //   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
 //   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
@@ -44,8 +44,25 @@ namespace walk {
 
 constexpr int kTransposedTileRows = 64;
 constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
+// The warpgroups of the walks other than TransposedWarpgroups' four (DigitLayout's ROTATED order is
+// laid out for them).
 constexpr int kTransposedWarpgroups = 3;
-constexpr int kTransposedThreads = 128 * kTransposedWarpgroups;
+
+// What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
+// logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
+// for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instantiation: the noise's
+// code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
+constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 % (NOTES, Session 20)
+
+// A walk's warpgroups a CTA: the plain walk over 16-bit base logits on four (its epilogue fits 128
+// registers a thread, and its score phase is bound by latency that more warps cover: two warpgroups
+// lost 4.4 % against three, NOTES Session 34); the general epilogues (up to 168 registers) and f32
+// base logits (whose tile loop spills at 128) on three.
+__host__ __device__ constexpr int TransposedWarpgroups(int walk, int base) {
+  return walk == kPlainWalk && base != kF32 ? 4 : kTransposedWarpgroups;
+}
+
 
 // Byte offset of element (row, k) of a `rows` x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
 __host__ __device__ constexpr int OperandOffset(int rows, int row, int k) {
@@ -203,39 +220,35 @@ __device__ __forceinline__ void StoreThreadLogits(const WalkArgs& a, size_t offs
 }
 
 // Shared memory: the A operands (DigitLayout), per-request state, then the W2 scales, one
-// streamed-tile slot per warpgroup and the resident tiles (each tile 1024-byte aligned, as are the
-// operands).
-template <bool PACKED, bool ROTATED>
+// streamed-tile slot per warpgroup (WARPGROUPS) and the resident tiles (each tile 1024-byte aligned,
+// as are the operands).
+template <bool PACKED, bool ROTATED, int WARPGROUPS>
 struct TransposedSmem {
   static constexpr int kDigitsBytes = DigitLayout<PACKED, ROTATED>::kBytes;
   static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
-  static constexpr int kRingBytes = kTransposedWarpgroups * kTransposedTileBytes;
+  static constexpr int kRingBytes = WARPGROUPS * kTransposedTileBytes;
   __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
   __host__ __device__ static constexpr int FixedBytes(int rows_per_cta) {
     return kDigitsBytes + 1024 + ScalesBytes(rows_per_cta) + kRingBytes;  // state padded to 1024
   }
 };
-static_assert(TransposedSmem<false, false>::kStateBytes <= 1024, "the state fits its 1024 bytes");
-static_assert(TransposedSmem<false, true>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
-
-// What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
-// logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
-// for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instantiation: the noise's
-// code costs a greedy walk with logits out 7 % (v40's first form) even where it never runs.
-enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
-constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 % (NOTES, Session 20)
+static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 template <int BASE, bool PACKED, int WALK>
-__global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+__global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) MarkovWalkTransposedKernel(const WalkArgs a) {
   constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
   constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
   constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
   static_assert(!(ROTATED && PACKED), "the rotated order is the unpacked layout's");
+  constexpr int kWarpgroups = TransposedWarpgroups(WALK, BASE);
+  static_assert(!ROTATED || kWarpgroups == kTransposedWarpgroups, "the rotated order is laid out for three warpgroups");
+  constexpr int kThreads = 128 * kWarpgroups;
   using Digits = DigitLayout<PACKED, ROTATED>;
-  using Layout = TransposedSmem<PACKED, ROTATED>;
+  using Layout = TransposedSmem<PACKED, ROTATED, kWarpgroups>;
   constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
-  constexpr int kWarps = kTransposedThreads / 32;
+  constexpr int kWarps = kThreads / 32;
   constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
   // request 1's once the accumulators are turned into floats (registers for the noise's chains).
@@ -262,28 +275,28 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
   // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
   // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
-  const int first_streamed = n_resident + ((wg - n_resident) % kTransposedWarpgroups + kTransposedWarpgroups) % kTransposedWarpgroups;
-  const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kTransposedWarpgroups + 1 : 0;
+  const int first_streamed = n_resident + ((wg - n_resident) % kWarpgroups + kWarpgroups) % kWarpgroups;
+  const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarpgroups + 1 : 0;
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
   const auto CopyStreamed = [&](int c) {
-    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kTransposedWarpgroups), slot, u);
+    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kWarpgroups), slot, u);
     CpAsyncCommit();
   };
 
   Stamp(a, 0, 0);
   // Requests past the batch keep zero digits (their sums are zero and never published).
-  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kTransposedThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
-  for (int b = tid; b < kMaxBatch; b += kTransposedThreads) cta_best[b] = 0;
+  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
+  for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
   // resident tiles (warpgroup w copies tiles w, w + 3, ...), then each warpgroup's first streamed tile.
-  if (my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, 0);
-  for (int i = wg; i < n_resident; i += kTransposedWarpgroups) {
+  if (my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, 0);
+  for (int i = wg; i < n_resident; i += kWarpgroups) {
     CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
   }
   CpAsyncCommit();
   CopyStreamed(0);
-  for (int i = tid; i < rows_per_cta; i += kTransposedThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
+  for (int i = tid; i < rows_per_cta; i += kThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
   __syncthreads();  // the zeroed digits before any warp writes its requests' digits
 
   Stamp(a, 0, 1);
@@ -292,7 +305,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
-      if (k < steps && my_tiles > 0) PrefetchBaseLogits<kTransposedThreads>(a, first_row, my_rows, k);
+      if (k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
       // Every CTA's step k-1 keys are in once all have arrived.
       WaitForArrivals(a, k, tid);
@@ -300,7 +313,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
       Stamp(a, k, 2);
     }
 
-    // 1. Step k-1's choices (warp w: requests w, w + 12, ...): their keys, then their W1 rows, each
+    // 1. Step k-1's choices (warp w: requests w, w + kWarps, ...): their keys, then their W1 rows, each
     //    in one batch of loads, then e's digits.
     {
       int row[kPerWarp];
@@ -360,7 +373,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
-    for (int i = wg; i < my_tiles; i += kTransposedWarpgroups) {
+    for (int i = wg; i < my_tiles; i += kWarpgroups) {
       const int row0 = RowOf(i);
       // The tile's base logits of this thread's rows, loaded while the MMAs run.
       const int thread_row0 = row0 + 16 * t;
@@ -556,7 +569,7 @@ __global__ void __launch_bounds__(kTransposedThreads, 1) MarkovWalkTransposedKer
   __syncthreads();
   if (*last_out) {
     const int used = steps * kMaxBatch;
-    for (int i = tid; i < used; i += kTransposedThreads) a.slots[i] = 0;
+    for (int i = tid; i < used; i += kThreads) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
