@@ -233,7 +233,7 @@ def test_large_batches_benchmark_shape(check_parity, batch):
 # Greedy walks of 17-64 requests (a launch) with no logits out, over int8 W2 with V % 8 == 0, take the
 # transposed kernel (walk_transposed.cuh), up to 32 requests in its packed layout (B = 17, 20 (a warp
 # of requests past the batch), 24, 32, and the launches of 32 that f32 W1 takes at B = 64): every base
-# and W1 dtype; padding, d2t and logit_scale; a last tile partly past V (V % 64 = 8, 16, 24, 40, 48: some
+# and W1 dtype (16-bit base logits on four warpgroups, f32 ones on three: TransposedWarpgroups); padding, d2t and logit_scale; a last tile partly past V (V % 64 = 8, 16, 24, 40, 48: some
 # threads' 16 rows end at V, some lie past it, one is cut in half); V = 270336 (24 of a CTA's 32 tiles
 # stream); a batch over two launches (64 + 36). V % 8 != 0 (20010) and odd V fall back to
 # MarkovWalkKernel. Tokens against the reference (near-ties as check_parity counts them), embeds equal.
