@@ -502,7 +502,9 @@ def test_which_launches_take_the_transposed_kernel():
     bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
     assert native.cuda_transposed_launches(17, 151936, bf16) == [True]
     assert native.cuda_transposed_launches(64, 151936, bf16) == [True]
-    assert native.cuda_transposed_launches(16, 151936, bf16) == [False]
+    assert native.cuda_transposed_launches(16, 151936, bf16) == [True]  # plain greedy from 9 requests
+    assert native.cuda_transposed_launches(9, 151936, bf16) == [True]
+    assert native.cuda_transposed_launches(8, 151936, bf16) == [False]
     assert native.cuda_transposed_launches(100, 20008, bf16) == [True, True]  # 64 + 36
     assert native.cuda_transposed_launches(65, 151936, bf16) == [True, False]  # 64 + 1
     assert native.cuda_transposed_launches(64, 151936, f32) == [True, True]  # 32 + 32

@@ -7,15 +7,20 @@
 namespace jax_markov {
 namespace walk {
 
+// Plain greedy walks (no logits out, no temperatures) of this many requests and more take the
+// transposed kernel; the others from kDirectBatch + 1 (MarkovWalkKernel's direct exchange and fill).
+constexpr int kTransposedPlainMinBatch = 9;
+
 // Whether a launch walks in MarkovWalkTransposedKernel (walk_transposed.cuh): int8 W2 (checked by the
-// caller), 17-64 requests (above MarkovWalkKernel's direct exchange), V % 8 == 0 and base logits and
+// caller), 9-64 requests of a plain greedy walk or 17-64 of another, V % 8 == 0 and base logits and
 // logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16). Logits go out
 // of it only for a bf16 W1: its two int8 digits of e keep 15 bits below e's largest element, all the
 // bits of a bf16 element but its smallest ones, while most fp16 and fp32 elements lose some (an fp32
 // W1's logits came out up to 3.3e-5 off the reference on the H200, past the tests' 2e-5; the hi + lo
 // columns of MarkovWalkKernel keep them within it).
 inline bool WalksTransposed(const WalkArgs& a) {
-  return a.batch > kDirectBatch && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 &&
+  const bool plain = a.logits == nullptr && !a.sampling;
+  return a.batch >= (plain ? kTransposedPlainMinBatch : kDirectBatch + 1) && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && (a.logits == nullptr || a.w1_dtype == kBF16);
 }
 
