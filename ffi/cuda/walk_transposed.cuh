@@ -196,6 +196,16 @@ __device__ __forceinline__ void LoadThreadBase(const WalkArgs& a, size_t offset,
   }
 }
 
+// Asks L1 for the lines of a thread's run of 16 base logits (as LoadThreadBase reads them): its first
+// and last byte, the last only where it lies before V (V % 8 == 0: a half past V is wholly past it).
+template <int BASE>
+__device__ __forceinline__ void PrefetchThreadBaseL1(const WalkArgs& a, size_t offset, int row) {
+  constexpr int kBytes = BASE == kF32 ? 4 : 2;
+  const char* run = static_cast<const char*>(a.base) + (offset + row) * kBytes;
+  if (row < a.vocab) asm volatile("prefetch.global.L1 [%0];" ::"l"(run));
+  if (row + 8 < a.vocab) asm volatile("prefetch.global.L1 [%0];" ::"l"(run + 16 * kBytes - 1));
+}
+
 // Value h (0: row, 1: row + 1) of a pair as a float.
 template <int BASE>
 __device__ __forceinline__ float BasePairValue(const BasePairBits<BASE>& bits, int h) {
@@ -382,6 +392,12 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       if (!warp_idle) {
 #pragma unroll
         for (int r = 0; r < kEarly; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
+        // The warpgroup's next tile's runs toward L1 a whole tile ahead: under load an L2 hit takes
+        // longer than one warpgroup's wgmmas cover.
+        if (i + kWarpgroups < my_tiles) {
+#pragma unroll
+          for (int r = 0; r < kRequests; ++r) PrefetchThreadBaseL1<BASE>(a, base_offset[r], thread_row0 + kWarpgroups * kTransposedTileRows);
+        }
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
