@@ -6,6 +6,8 @@ Make one source tree per version, carry them to the GPU (for the device tool: un
 
     git archive REV | tar -x -C .dev/REV                                      # per version
     python3 benchmarks/ab_kernels.py --out OUT --rounds 2 .dev/A .dev/B -- 151936,7,16,greedy ...
+    python3 benchmarks/ab_kernels.py --out OUT --timer profiler --tokens "5003,3,17,greedy 151936,7,64,greedy" \
+        --rounds 2 .dev/A .dev/B -- 151936,7,64,greedy
 
 Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/; every
 round runs `benchmarks/profile_kernel.py CONFIG` of each tree under `ncu --metrics
@@ -13,7 +15,9 @@ gpu__time_duration.sum`, one ncu process per config (3 chained walks, ceil(B / 6
 with --timer profiler, one `profile_kernel.py --device-times CONFIGS` process per tree instead (the
 same walks after a warm-up, timed from the profiler's trace: no ncu start per config). OUT gets the
 raw durations (ab_durations.log) and the medians per config and tree, with the change against the
-first tree (ab_kernels.md).
+first tree (ab_kernels.md). With --tokens, each tree first runs `profile_kernel.py --tokens` on those
+configs, and OUT gets their fingerprints side by side, each marked as equal to the first tree's or
+not (tokens.md): a version meant to keep the numbers shows it does before it is timed.
 """
 from __future__ import annotations
 
@@ -106,6 +110,28 @@ def summary(runs: dict[str, list[dict[str, list[float]]]], configs: list[str]) -
     return "\n".join(lines)
 
 
+def parse_tokens(output: str) -> dict[str, str]:
+    """The fingerprint per config from `profile_kernel.py --tokens` ("TOKENS <config> <fingerprint>")."""
+    found = {}
+    for line in output.splitlines():
+        parts = line.split(maxsplit=2)
+        if len(parts) == 3 and parts[0] == "TOKENS":
+            found[parts[1]] = parts[2]
+    return found
+
+
+def tokens_summary(fingerprints: dict[str, dict[str, str]], configs: list[str]) -> str:
+    """Markdown: each tree's fingerprint per config, and whether it equals the first tree's."""
+    trees = list(fingerprints)
+    lines = ["| config | " + " | ".join(trees) + " | " + " | ".join(f"{t} = {trees[0]}" for t in trees[1:]) + " |",
+             "|" + "---|" * (2 * len(trees))]
+    for c in configs:
+        prints = [fingerprints[t].get(c, "missing") for t in trees]
+        same = ["yes" if p == prints[0] and p != "missing" else "NO" for p in prints[1:]]
+        lines.append(f"| {c} | " + " | ".join(prints) + " | " + " | ".join(same) + " |")
+    return "\n".join(lines)
+
+
 def build(tree: Path) -> None:
     """Builds the tree's CUDA and CPU modules into /tmp and copies them into its jax_markov/."""
     build_dir = Path("/tmp") / f"ab_build_{tree_name(tree)}"
@@ -166,6 +192,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timer", choices=("ncu", "profiler"), default="ncu",
                    help="ncu (a run a config) or profiler (jax.profiler's device activity, a run a tree)")
+    p.add_argument("--tokens", default="", help="configs (space-separated) whose tokens and logits each tree "
+                   "prints first, compared with the first tree's (tokens.md)")
     p.add_argument("trees", nargs="+", help="source trees, then -- and the configs V,K,B,mode[,head]")
     argv = sys.argv[1:]
     if "--" not in argv or argv.index("--") == len(argv) - 1:
@@ -178,6 +206,14 @@ def main() -> None:
     with ThreadPoolExecutor(len(trees)) as pool:
         list(pool.map(build, trees))
     names = {t: tree_name(t) for t in trees}
+    if args.tokens:
+        token_configs = args.tokens.split()
+        printed = {names[t]: parse_tokens(run_in_tree(t, [sys.executable, "benchmarks/profile_kernel.py", "--tokens",
+                                                          *token_configs], "profile_kernel.py --tokens"))
+                   for t in trees}
+        table = tokens_summary(printed, token_configs)
+        (out / "tokens.md").write_text(f"# Tokens and logits of each tree (profile_kernel.py --tokens)\n\n{table}\n")
+        print(table, flush=True)
     runs = {names[t]: [] for t in trees}
     with open(out / "ab_durations.log", "w") as log:
         how = (f"{' '.join(NCU)} python3 benchmarks/profile_kernel.py CONFIG, a run each" if args.timer == "ncu" else

@@ -5,14 +5,18 @@ or (--device-times) times its launches itself from the device activity that jax.
         python3 benchmarks/profile_kernel.py 151936,7,1,greedy 151936,7,64,probabilistic 151936,7,1,greedy,bf16
     compute-sanitizer --tool memcheck python3 benchmarks/profile_kernel.py 5003,3,3,probabilistic
     python3 benchmarks/profile_kernel.py --device-times 151936,7,64,greedy 151936,7,24,probabilistic
+    python3 benchmarks/profile_kernel.py --tokens 151936,7,64,greedy 5003,3,17,greedy
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
-launch order.
+launch order. With --tokens, each config's chained walks print what they chose as a line
+"TOKENS <config> <fingerprint>" (fingerprint: the last walk's tokens and logits, hashed), so that
+kernel versions can be compared bit for bit (benchmarks/ab_kernels.py --tokens).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import re
 import sys
 import tempfile
@@ -56,6 +60,13 @@ def walk_chain(f, base, anchor, calls: int):
         out = f(base, anchor)
         anchor = out.tokens[:, -1]
     return jax.block_until_ready(out)
+
+
+def fingerprint(out) -> str:
+    """A walk's tokens and logits (if any), hashed: "tokens=<12 hex> logits=<12 hex or ->"."""
+    tokens = hashlib.sha1(np.asarray(out.tokens).tobytes()).hexdigest()[:12]
+    logits = "-" if out.logits is None else hashlib.sha1(np.asarray(out.logits).tobytes()).hexdigest()[:12]
+    return f"tokens={tokens} logits={logits}"
 
 
 def run(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8", calls: int = 3) -> None:
@@ -115,6 +126,9 @@ if __name__ == "__main__":
         for spec in args[1:]:
             for name, us in device_times(spec):
                 print(f"KERNEL {spec} {name} {us:.3f}", flush=True)
+    elif args[:1] == ["--tokens"]:
+        for spec in args[1:]:
+            print(f"TOKENS {spec} {fingerprint(walk_chain(*prepare(*parse(spec)), 3))}", flush=True)
     else:
         for spec in args or ["151936,7,1,greedy"]:
             run(*parse(spec))

@@ -102,3 +102,17 @@ def test_a_run_that_hangs_is_an_error_that_shows_its_output(monkeypatch, tmp_pat
     monkeypatch.setattr(ab_kernels.subprocess, "run", hang)
     with pytest.raises(RuntimeError, match=f"{what} in .* ran past 300 s; it printed:\nKERNEL 5003"):
         ab_kernels.measure(tmp_path, ["5003,3,3,greedy"], timer=timer)
+
+
+def test_tokens_per_config_and_whether_each_tree_matches_the_first():
+    printed = "noise\nTOKENS 5003,3,17,greedy tokens=aaa logits=-\nTOKENS 151936,7,64,greedy tokens=bbb logits=-\n"
+    assert ab_kernels.parse_tokens(printed) == {"5003,3,17,greedy": "tokens=aaa logits=-",
+                                                "151936,7,64,greedy": "tokens=bbb logits=-"}
+    fingerprints = {"main": ab_kernels.parse_tokens(printed),
+                    "v2": {"5003,3,17,greedy": "tokens=aaa logits=-", "151936,7,64,greedy": "tokens=ccc logits=-"},
+                    "v3": {"5003,3,17,greedy": "tokens=aaa logits=-"}}
+    table = ab_kernels.tokens_summary(fingerprints, ["5003,3,17,greedy", "151936,7,64,greedy"])
+    assert table.splitlines()[2] == ("| 5003,3,17,greedy | tokens=aaa logits=- | tokens=aaa logits=- | tokens=aaa logits=- "
+                                     "| yes | yes |")
+    assert table.splitlines()[3] == ("| 151936,7,64,greedy | tokens=bbb logits=- | tokens=ccc logits=- | missing "
+                                     "| NO | NO |")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -63,3 +64,18 @@ def test_walk_kernel_events_from_the_gpu_streams_in_start_order():
     assert profile_kernel.walk_kernel_events(planes) == [("MarkovWalkNoise", 280.0),
                                                          ("MarkovWalkTransposedKernel", 180.5),
                                                          ("MarkovWalkNoise", 1.0), ("MarkovWalkKernel", 2.0)]
+
+
+def test_a_fingerprint_tells_walks_apart_by_tokens_and_logits():
+    from jax_markov.result import WalkResult
+
+    fields = {f: None for f in WalkResult._fields}
+    tokens = np.array([[3, 1, 4], [1, 5, 9]], np.int32)
+    logits = np.random.default_rng(0).standard_normal((2, 3, 7)).astype(np.float32)
+    plain = profile_kernel.fingerprint(WalkResult(**{**fields, "tokens": tokens}))
+    assert plain.startswith("tokens=") and plain.endswith(" logits=-")
+    assert profile_kernel.fingerprint(WalkResult(**{**fields, "tokens": tokens[:, ::-1].copy()})) != plain
+    with_logits = profile_kernel.fingerprint(WalkResult(**{**fields, "tokens": tokens, "logits": logits}))
+    assert with_logits.split()[0] == plain.split()[0] and with_logits.split()[1] != "logits=-"
+    logits[1, 2, 6] += 1.0
+    assert profile_kernel.fingerprint(WalkResult(**{**fields, "tokens": tokens, "logits": logits})) != with_logits
