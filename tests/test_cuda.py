@@ -233,15 +233,19 @@ def test_large_batches_benchmark_shape(check_parity, batch):
 # Greedy walks of 17-64 requests (a launch) with no logits out, over int8 W2 with V % 8 == 0, take the
 # transposed kernel (walk_transposed.cuh), up to 32 requests in its packed layout (B = 17, 20 (a warp
 # of requests past the batch), 24, 32, and the launches of 32 that f32 W1 takes at B = 64): every base
-# and W1 dtype (16-bit base logits on four warpgroups, f32 ones on three: TransposedWarpgroups); padding, d2t and logit_scale; a last tile partly past V (V % 64 = 8, 16, 24, 40, 48: some
-# threads' 16 rows end at V, some lie past it, one is cut in half); V = 270336 (24 of a CTA's 32 tiles
-# stream); a batch over two launches (64 + 36). V % 8 != 0 (20010) and odd V fall back to
-# MarkovWalkKernel. Tokens against the reference (near-ties as check_parity counts them), embeds equal.
+# and W1 dtype (16-bit base logits on four warpgroups, f32 ones on three: TransposedWarpgroups);
+# padding, d2t and logit_scale; a last tile partly past V (V % 64 = 8, 16, 24, 40, 48: some threads' 16
+# rows end at V, some lie past it, one is cut in half); V = 270336 (24 of a CTA's 32 tiles stream); a
+# batch over two launches (64 + 36); the four-warpgroup walk's split tiles (six tiles a CTA at V = 50008
+# and 50048, where the last CTA's two are its only ones, at 50048 ending at V). V % 8 != 0 (20010) and
+# odd V fall back to MarkovWalkKernel. Tokens against the reference (near-ties as check_parity counts
+# them), embeds equal.
 @pytest.mark.parametrize("batch,vocab,base_dtype,w1_dtype,extras", [
     (20, 40016, jnp.float16, jnp.bfloat16, True), (32, 151936, jnp.bfloat16, jnp.bfloat16, False),
     (17, 40008, jnp.bfloat16, jnp.bfloat16, False), (24, 30000, jnp.float32, jnp.float32, True),
     (40, 50008, jnp.float16, jnp.float16, True), (64, 151936, jnp.bfloat16, jnp.float32, False),
     (48, 270336, jnp.bfloat16, jnp.bfloat16, False), (100, 20008, jnp.bfloat16, jnp.bfloat16, True),
+    (24, 50048, jnp.bfloat16, jnp.bfloat16, False),
     (36, 20010, jnp.bfloat16, jnp.bfloat16, False), (33, 20011, jnp.bfloat16, jnp.bfloat16, False)])
 def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, vocab, base_dtype, w1_dtype, extras):
     takes = native.cuda_transposed_launches(batch, vocab, w1_dtype)

@@ -273,9 +273,16 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
   const int n_resident = min(a.resident_tiles, my_tiles);
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
+  // kSplit (the plain walk on four warpgroups): where a CTA's tiles leave two over for its warpgroups
+  // (18 at V = 151936 on 132 SMs), its first two, resident, are scored in halves of 32 columns, one a
+  // warpgroup, so that every warpgroup scores as many rows (five tiles against four made the score
+  // phase's warp spread 3.9 us in 16.4, NOTES Session 35). Warpgroup wg scores half wg % 2 of tile
+  // wg / 2 first, then its whole tiles split_tiles + wg, split_tiles + wg + 4, ...
+  constexpr bool kSplit = WALK == kPlainWalk && kWarpgroups == 4;
+  const int split_tiles = kSplit && my_tiles % kWarpgroups == 2 && n_resident >= 2 ? 2 : 0;
   // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
-  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
-  const int first_streamed = n_resident + ((wg - n_resident) % kWarpgroups + kWarpgroups) % kWarpgroups;
+  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x kWarpgroups.
+  const int first_streamed = n_resident + ((split_tiles + wg - n_resident) % kWarpgroups + kWarpgroups) % kWarpgroups;
   const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarpgroups + 1 : 0;
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
@@ -373,17 +380,23 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
-    for (int i = wg; i < my_tiles; i += kWarpgroups) {
+    // half: which half of tile i this warpgroup scores (its thread's rows 8 half .. 8 half + 7 of 16),
+    // -1 for the whole tile.
+    for (int i = split_tiles > 0 ? wg / 2 : wg, half = split_tiles > 0 ? wg % 2 : -1; i < my_tiles;
+         i = half >= 0 ? split_tiles + wg : i + kWarpgroups, half = -1) {
       const int row0 = RowOf(i);
+      const int half_row = kSplit && half > 0 ? 8 : 0;  // the first of the thread's rows scored
       // The tile's base logits of this thread's rows, loaded while the MMAs run.
-      const int thread_row0 = row0 + 16 * t;
-      const bool whole = row0 + kTransposedTileRows <= vocab;
+      const int thread_row0 = row0 + 16 * t + half_row;
+      // (A half's thread loads 16 rows from its first, the second 8 unused: they lie before V where
+      // `whole` holds, and are guarded by V otherwise.)
+      const bool whole = row0 + kTransposedTileRows + half_row <= vocab;
       BasePairBits<BASE> base[kEarly][8];
       if (!warp_idle) {
 #pragma unroll
         for (int r = 0; r < kEarly; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
       }
-      const bool streamed = i >= n_resident;
+      const bool streamed = i >= n_resident;  // split tiles are resident
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
       if (streamed) {
         CpAsyncWaitPending(0);
@@ -404,10 +417,20 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
       };
       WgmmaFence();
+      if (!kSplit || half < 0) {
 #pragma unroll
-      for (int d = 0; d < kBlocks; ++d) {
+        for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
-        for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
+          for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
+        }
+      } else {  // the tile's columns 32 half .. 32 half + 31 (four core matrices of rows on) into acc[d][0 .. 15]
+#pragma unroll
+        for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+          for (int s = 0; s < kRank / 32; ++s) {
+            WgmmaS8N32(reinterpret_cast<int(&)[16]>(acc[d][0]), ADesc(d, s), WgmmaDescriptor(tile + s * 2048 + half * 1024, 128, 256), s > 0);
+          }
+        }
       }
       WgmmaCommit();
       WgmmaWaitGroup<0>();
@@ -428,14 +451,15 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       // scale x dot of accumulator pair j's value e (request e / 2, row 2 j + e % 2 of the thread's 16):
       // the digits' sums are (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
       const auto ScaledDot = [&](int j, int e) {
-        const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
+        const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + half_row + 2 * j]);
         const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
         const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
         return (e % 2 ? sc.y : sc.x) * dot;
       };
-      const auto Epilogue = [&](auto partial) {
+      // pairs: a whole tile's 8 row pairs, or a half's 4.
+      const auto Epilogue = [&](auto partial, auto pairs) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < decltype(pairs)::value; ++j) {
 #pragma unroll
           for (int e = 0; e < 2 * kRequests; ++e) {
             const int r = e / 2, row = thread_row0 + 2 * j + e % 2;
@@ -528,10 +552,17 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
           GeneralFor(std::false_type());
         }
       } else {
-        if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
-          Epilogue(std::true_type());
-        } else if (!warp_idle) {
-          Epilogue(std::false_type());
+        const auto PlainFor = [&](auto pairs) {
+          if (!warp_idle && row0 + kTransposedTileRows > a.vocab_size) {
+            Epilogue(std::true_type(), pairs);
+          } else if (!warp_idle) {
+            Epilogue(std::false_type(), pairs);
+          }
+        };
+        if (kSplit && half >= 0) {
+          PlainFor(std::integral_constant<int, 4>());
+        } else {
+          PlainFor(std::integral_constant<int, 8>());
         }
       }
     }
