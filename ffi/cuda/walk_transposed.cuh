@@ -13,9 +13,10 @@
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
-//   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32 sums are exact (|sum| < 2^22) and become floats by adding
-//   1.5 x 2^23 to their bits. The first tiles stay resident in shared memory (loaded once by
-//   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
+//   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32
+//   sums are exact (|sum| < 2^22) and become floats by adding 1.5 x 2^23 to their bits. The first
+//   tiles stay resident in shared memory (loaded once by cp.async); the rest stream from L2 into one
+//   slot per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
 //   a 64 x 256 operand at byte TransposedOffset(n, k). A W2 tile holds its rows in the order that gives
 //   each thread 16 consecutive rows (TileRow): the thread of column pair t holds rows 16 t .. 16 t + 15
