@@ -258,13 +258,14 @@ __device__ __forceinline__ void Imma16832(int (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d0 + 2^8 d1 + 2^16 d2 from three exact int32 digit sums (each |d| < 2^22, so exact in fp32).
-__device__ __forceinline__ float DigitsToFloat(int d0, int d1, int d2) {
-  return __fmaf_rn(float(d2), 65536.0f, __fmaf_rn(float(d1), 256.0f, float(d0)));
-}
+// d0 + 2^8 d1 from two exact int32 digit sums (|d| < 2^22): exact as an int32 (< 2^31), rounded once.
+__device__ __forceinline__ float DigitPairToFloat(int d0, int d1) { return __int2float_rn(d1 * 256 + d0); }
 
-// d0 + 2^8 d1 from two exact int32 digit sums (|d| < 2^22), rounded once.
-__device__ __forceinline__ float DigitPairToFloat(int d0, int d1) { return __fmaf_rn(float(d1), 256.0f, float(d0)); }
+// d0 + 2^8 d1 + 2^16 d2 from three exact int32 digit sums (each |d| < 2^22), rounded as d0 + 2^8 d1
+// first.
+__device__ __forceinline__ float DigitsToFloat(int d0, int d1, int d2) {
+  return __fmaf_rn(float(d2), 65536.0f, DigitPairToFloat(d0, d1));
+}
 
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
