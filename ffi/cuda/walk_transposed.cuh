@@ -35,7 +35,8 @@
 //   one resident tile fewer, which costs more than the balance gains from 49 requests on).
 // - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
 //   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
-//   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16.)
+//   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16,
+//   and 103.9 against 126.3 for the plain walk in Session 35.)
 #pragma once
 
 #include "cuda/walk_kernel.cuh"
