@@ -65,7 +65,6 @@ __host__ __device__ constexpr int TransposedWarpgroups(int walk, int base) {
   return walk == kPlainWalk && base != kF32 ? 4 : kTransposedWarpgroups;
 }
 
-
 // Byte offset of element (row, k) of a `rows` x 256 int8 wgmma operand: [k / 32][row / 8][k half][row % 8][16].
 __host__ __device__ constexpr int OperandOffset(int rows, int row, int k) {
   return (k / 32) * (rows * 32) + (row / 8) * 256 + ((k % 32) / 16) * 128 + (row % 8) * 16 + k % 16;
@@ -276,7 +275,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   const int n_resident = min(a.resident_tiles, my_tiles);
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
   // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
-  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x 3.
+  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x kWarpgroups.
   const int first_streamed = n_resident + ((wg - n_resident) % kWarpgroups + kWarpgroups) % kWarpgroups;
   const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarpgroups + 1 : 0;
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
@@ -291,7 +290,8 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
-  // resident tiles (warpgroup w copies tiles w, w + 3, ...), then each warpgroup's first streamed tile.
+  // resident tiles (warpgroup w copies tiles w, w + kWarpgroups, ...), then each warpgroup's first
+  // streamed tile.
   if (my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, 0);
   for (int i = wg; i < n_resident; i += kWarpgroups) {
     CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
