@@ -14,9 +14,9 @@
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
 //   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32
-//   sums are exact (|sum| < 2^22) and become floats by adding 1.5 x 2^23 to their bits. The first
-//   tiles stay resident in shared memory (loaded once by cp.async); the rest stream from L2 into one
-//   slot per warpgroup, a streamed tile ahead.
+//   sums are exact (|sum| < 2^22), and so is high x 256 + low (< 2^31), which one conversion rounds
+//   to a float. The first tiles stay resident in shared memory (loaded once by cp.async); the rest
+//   stream from L2 into one slot per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
 //   a 64 x 256 operand at byte TransposedOffset(n, k). A W2 tile holds its rows in the order that gives
 //   each thread 16 consecutive rows (TileRow): the thread of column pair t holds rows 16 t .. 16 t + 15
@@ -71,8 +71,6 @@ __host__ __device__ constexpr int OperandOffset(int rows, int row, int k) {
 }
 __host__ __device__ constexpr int TransposedOffset(int row, int k) { return OperandOffset(64, row, k); }
 
-// An int32 with |x| < 2^22 as a float, exactly: 1.5 x 2^23 + x holds x in its low mantissa bits.
-__device__ __forceinline__ float SmallIntToFloat(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
 
 // The tile row (0-63) at wgmma column n: the accumulator columns 8 j + 2 t + h (j < 8, h < 2) of the
 // threads of column pair t hold rows 16 t + 2 j + h.
@@ -432,7 +430,8 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       const auto ScaledDot = [&](int j, int e) {
         const float2 sc = *reinterpret_cast<const float2*>(&scales[i * kTransposedTileRows + 16 * t + 2 * j]);
         const int high = PACKED ? acc[0][4 * j + e + 2] : acc[kBlocks - 1][4 * j + e];
-        const float dot = __fmaf_rn(SmallIntToFloat(high), 256.0f, SmallIntToFloat(acc[0][4 * j + e]));
+        // The digits' sums as one exact int32 (|high| < 2^21, |low| < 2^22), rounded to a float once.
+        const float dot = __int2float_rn(high * 256 + acc[0][4 * j + e]);
         return (e % 2 ? sc.y : sc.x) * dot;
       };
       const auto Epilogue = [&](auto partial) {
