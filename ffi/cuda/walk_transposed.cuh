@@ -71,7 +71,6 @@ __host__ __device__ constexpr int OperandOffset(int rows, int row, int k) {
 }
 __host__ __device__ constexpr int TransposedOffset(int row, int k) { return OperandOffset(64, row, k); }
 
-
 // The tile row (0-63) at wgmma column n: the accumulator columns 8 j + 2 t + h (j < 8, h < 2) of the
 // threads of column pair t hold rows 16 t + 2 j + h.
 __host__ __device__ constexpr int TileRow(int n) { return 16 * ((n % 8) / 2) + 2 * (n / 8) + n % 2; }
