@@ -170,6 +170,11 @@ MARKOV_HD uint64_t PackArgmaxKey(float score, uint32_t index) {
 
 MARKOV_HD uint32_t ArgmaxKeyIndex(uint64_t key) { return 0xFFFFFFFFu - static_cast<uint32_t>(key); }
 
+// Where the CUDA walk's grid-wide exchange takes one atomicMax per request, each request's key lies on
+// a 128-byte line of its own (keys kKeyStride words apart), so that the atomics of different requests
+// meet in different L2 slices rather than queueing on a few lines (benchmarks/NOTES.md, Session 36).
+constexpr int kKeyStride = 16;
+
 MARKOV_HD int32_t ClampIndex(int64_t id, int64_t size) {
   return static_cast<int32_t>(id < 0 ? 0 : (id >= size ? size - 1 : id));
 }

@@ -128,8 +128,9 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
 }
 
 // `rounds` grid-wide exchanges as the walk kernel makes one per step: a block reduce of one 64-bit key
-// per thread, one atomicMax per request into the round's slots, the arrival counter as grid barrier,
-// then the slots are read back and feed the next round's keys. Runs with kWalkThreads threads.
+// per thread, one atomicMax per request into the round's slots (a line a request: kKeyStride), the
+// arrival counter as grid barrier, then the slots are read back and feed the next round's keys. Runs
+// with kWalkThreads threads.
 __global__ void ExchangeKernel(unsigned long long* slots, unsigned int* arrivals, int rounds, int requests,
                                unsigned long long* sink) {
   __shared__ unsigned long long warp_best[kWalkThreads / 32];
@@ -142,11 +143,11 @@ __global__ void ExchangeKernel(unsigned long long* slots, unsigned int* arrivals
     for (int m = 16; m > 0; m >>= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, m));
     if (tid % 32 == 0) warp_best[tid / 32] = key;
     __syncthreads();
-    unsigned long long* round_slots = slots + size_t(r) * requests;
+    unsigned long long* round_slots = slots + size_t(r) * requests * kKeyStride;
     if (tid < requests) {
       unsigned long long best = 0;
       for (int w = 0; w < kWalkThreads / 32; ++w) best = max(best, warp_best[w] ^ tid);
-      atomicMax(&round_slots[tid], best);
+      atomicMax(&round_slots[tid * kKeyStride], best);
       __threadfence();
     }
     __syncthreads();
@@ -159,7 +160,7 @@ __global__ void ExchangeKernel(unsigned long long* slots, unsigned int* arrivals
       __threadfence();
     }
     __syncthreads();
-    if (tid < requests) chosen[tid] = __ldcg(&round_slots[tid]);
+    if (tid < requests) chosen[tid] = __ldcg(&round_slots[tid * kKeyStride]);
     __syncthreads();
     prev = chosen[tid % requests];
   }
@@ -356,7 +357,7 @@ double L2ReadBytesPerSecond(Scope& s, int sm_count, int l2_bytes) {
 // round) / (kExchangeRounds - 1), which cancels the launch and the slot clearing.
 double ExchangeSeconds(Scope& s, int sm_count, int smem_per_block, int requests) {
   const int smem = OnePerSmDynamicSmem(ExchangeKernel, kWalkThreads, smem_per_block);
-  const size_t slot_bytes = size_t(kExchangeRounds) * kMaxRequests * sizeof(unsigned long long);
+  const size_t slot_bytes = size_t(kExchangeRounds) * kMaxRequests * kKeyStride * sizeof(unsigned long long);
   unsigned long long* slots = s.Alloc<unsigned long long>(slot_bytes / sizeof(unsigned long long));
   unsigned int* arrivals = s.Alloc<unsigned int>(1);
   unsigned long long* sink = s.Alloc<unsigned long long>(1);

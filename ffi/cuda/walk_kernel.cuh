@@ -67,9 +67,7 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
-// The atomic exchange keeps each request's key on a 128-byte line of its own (16 words), so that the
-// grid's atomicMax of different requests meet in different L2 slices, not in four lines.
-constexpr int kKeyStride = 16;
+// The atomic exchange's keys, each on a line of its own (kKeyStride, walk_common.h).
 static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
 __host__ __device__ constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }
 
