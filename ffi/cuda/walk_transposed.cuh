@@ -304,7 +304,6 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
-      if (k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
       // Every CTA's step k-1 keys are in once all have arrived.
       WaitForArrivals(a, k, tid);
@@ -327,6 +326,9 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       if (k < steps) {
         uint4 w1_raw[kPerWarp][2];
         LoadW1Rows(a, row, lane, w1_raw);
+        // This step's base logits toward L2 once the W1 rows are asked for: issued before the grid-wide
+        // wait, their flood of HBM requests delayed the key and W1 loads that every later phase waits on.
+        if (k > 0 && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
