@@ -66,7 +66,12 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
-constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;  // >= kMaxSteps * kMaxBatch
+constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
+// The atomic exchange keeps each request's key on a 128-byte line of its own (16 words), so that the
+// grid's atomicMax of different requests meet in different L2 slices, not in four lines.
+constexpr int kKeyStride = 16;
+static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
+__host__ __device__ constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // W2's storage: int8 rows with fp32 scales (scored as fp16, or as int8 digits for B <= 2), or the
@@ -303,13 +308,13 @@ __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long
   return best;
 }
 
-// The exchange above kDirectBatch: N requests' choices of the step whose keys start at slots[step0]
-// (requests first + u x stride, the last one standing in past the batch), as draft tokens.
+// The exchange above kDirectBatch: N requests' choices of step `step` (requests first + u x stride, the
+// last one standing in past the batch), as draft tokens.
 template <int N>
-__device__ __forceinline__ void FetchChoices(const unsigned long long* slots, int step0, int first, int stride, int batch, int (&row)[N]) {
+__device__ __forceinline__ void FetchChoices(const unsigned long long* slots, int step, int first, int stride, int batch, int (&row)[N]) {
   unsigned long long key[N];
 #pragma unroll
-  for (int u = 0; u < N; ++u) key[u] = __ldcg(&slots[step0 + min(first + u * stride, batch - 1)]);
+  for (int u = 0; u < N; ++u) key[u] = __ldcg(&slots[AtomicKey(step, min(first + u * stride, batch - 1))]);
 #pragma unroll
   for (int u = 0; u < N; ++u) row[u] = ArgmaxKeyIndex(key[u]);
 }
@@ -385,7 +390,7 @@ __device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direc
       asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
     }
     if (mine != 0) {
-      if (!direct) atomicMax(&a.slots[k * kMaxBatch + tid], mine);
+      if (!direct) atomicMax(&a.slots[AtomicKey(k, tid)], mine);
       if (a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
     }
     cta_best[tid] = 0;
@@ -1100,7 +1105,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
         }
       } else {
-        FetchChoices(a.slots, (k - 1) * kMaxBatch, first, kWarps, batch, row);
+        FetchChoices(a.slots, k - 1, first, kWarps, batch, row);
       }
       if (k > 0 && a.d2t != nullptr) DraftToTarget(a.d2t, row);
       if (k > 0 && blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, first, kWarps, row);
@@ -1585,7 +1590,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
   __syncthreads();
   if (*last_out) {
-    const int used = direct ? steps * batch * gridDim.x : steps * kMaxBatch;
+    const int used = direct ? steps * batch * gridDim.x : int(AtomicKey(steps, 0));
     for (int i = tid; i < used; i += THREADS) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;

@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
       } else {
-        FetchChoices(a.slots, (k - 1) * kMaxBatch, warp, kWarps, batch, row);
+        FetchChoices(a.slots, k - 1, warp, kWarps, batch, row);
         if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
         if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
       }
@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   }
   __syncthreads();
   if (*last_out) {
-    const int used = steps * kMaxBatch;
+    const int used = int(AtomicKey(steps, 0));
     for (int i = tid; i < used; i += kThreads) a.slots[i] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
