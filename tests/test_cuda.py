@@ -395,6 +395,19 @@ def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     np.testing.assert_array_equal(np.asarray(r2.tokens), np.asarray(ref2.tokens))
 
 
+# The atomic exchange's keys of one call must all be zero for the next, whatever its shape: a larger call
+# followed by smaller ones (fewer requests, fewer steps) in the transposed kernel (int8 W2) and in
+# MarkovWalkKernel (bf16 W2, above 16 requests); a stale key would win its slot and change a token.
+@pytest.mark.parametrize("w2_dtype", [jnp.int8, jnp.bfloat16])
+def test_keys_clean_across_shapes(check_parity, w2_dtype):
+    rng = np.random.default_rng(22)
+    for batch, steps in [(64, 7), (24, 3), (40, 5), (17, 7)]:
+        base, anchor, head, _ = make_case(rng, batch, steps, 80024, w2_dtype=w2_dtype)
+        if w2_dtype == jnp.int8:
+            assert native.cuda_transposed_launches(batch, 80024, head.w1.dtype, logits_out=True) == [True]
+        check_parity(base, anchor, head, {})
+
+
 def test_outside_envelope_falls_back_or_refuses():
     rng = np.random.default_rng(2)
     base, anchor, head, _ = make_case(rng, 2, 17, 5000)
