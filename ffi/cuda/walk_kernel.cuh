@@ -378,29 +378,39 @@ __device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int ti
 
 // Step k's key of every request from this CTA (cta_best, left zeroed): its own slot per request with
 // the direct exchange (always a key: 1 is no candidate here), else one atomicMax per request and an
-// arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row: with the direct
-// exchange every CTA with a candidate; with the atomic one only a CTA whose key led the slot when its
+// arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row: every CTA with a
+// candidate, but with LEADERS and the atomic exchange only a CTA whose key led the slot when its
 // atomicMax landed (the winner's always did; in random order about 5.5 of 132 CTAs a request), once
-// it has arrived, so that waiting for the atomic's answer delays no arrival.
+// it has arrived, so that waiting for the atomic's answer delays no arrival. LEADERS is for the
+// kernels that may walk above kDirectBatch requests; the others keep the plain form (NOTES, Session 37).
+template <bool LEADERS>
 __device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direct, int batch, int steps,
                                             unsigned long long* cta_best, int tid) {
   const bool prefetch = a.d2t == nullptr && k + 1 < steps;
-  unsigned long long mine = 0, before = ~0ull;
+  unsigned long long mine = 0;
+  bool lead = false;
   if (tid < batch) {
     mine = cta_best[tid];
     if (direct) {
       unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
       asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
-      if (mine != 0 && prefetch) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
-    } else if (mine != 0) {
-      before = atomicMax(&a.slots[AtomicKey(k, tid)], mine);
+    }
+    if (mine != 0) {
+      if (!direct) {
+        if constexpr (LEADERS) {
+          lead = atomicMax(&a.slots[AtomicKey(k, tid)], mine) < mine;
+        } else {
+          atomicMax(&a.slots[AtomicKey(k, tid)], mine);
+        }
+      }
+      if (prefetch && (direct || !LEADERS)) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
     }
     cta_best[tid] = 0;
   }
   if (!direct) {
     __syncthreads();
     Arrive(a, tid);
-    if (mine > before && prefetch) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
+    if (LEADERS && lead && prefetch) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
   }
 }
 
@@ -1580,7 +1590,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
     // 4. Publish one key per request and arrive; the wait comes at the top of the next step, after
     //    its prefetches are issued. A direct slot always gets a key (1: no candidate here).
-    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
+    PublishKeys<((SPLIT ? 4 : 8) * NT > kDirectBatch)>(a, k, direct, batch, steps, cta_best, tid);  // requests it may walk
     Stamp(a, k, 5);
   }
 

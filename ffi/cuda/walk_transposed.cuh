@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
     Stamp(a, k, 4);
 
     // 4. Publish one key per request and arrive, as MarkovWalkKernel does.
-    PublishKeys(a, k, false, batch, steps, cta_best, tid);
+    PublishKeys<true>(a, k, false, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 
