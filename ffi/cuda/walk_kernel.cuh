@@ -1593,9 +1593,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
   __syncthreads();
   if (*last_out) {
-    // Only the words written: the direct slots are contiguous, the atomic keys one a line.
-    const int used = direct ? steps * batch * gridDim.x : steps * batch;
-    for (int i = tid; i < used; i += THREADS) a.slots[direct ? size_t(i) : AtomicKey(i / batch, i % batch)] = 0;
+    // The direct slots are contiguous; the atomic keys' words, one a line, are AtomicKey(0, i).
+    const int used = direct ? steps * batch * gridDim.x : steps * kMaxBatch;
+    for (int i = tid; i < used; i += THREADS) a.slots[direct ? size_t(i) : AtomicKey(0, i)] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;

@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   }
   __syncthreads();
   if (*last_out) {
-    for (int i = tid; i < steps * batch; i += kThreads) a.slots[AtomicKey(i / batch, i % batch)] = 0;
+    for (int i = tid; i < steps * kMaxBatch; i += kThreads) a.slots[AtomicKey(0, i)] = 0;  // the keys' words
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
