@@ -568,6 +568,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   }
   __syncthreads();
   if (*last_out) {
+    // Only the keys written, K x B words a line apart (MarkovWalkKernel zeroes their whole range).
     for (int i = tid; i < steps * batch; i += kThreads) a.slots[AtomicKey(i / batch, i % batch)] = 0;
     if (tid == 0) {
       a.counters[0] = 0;
