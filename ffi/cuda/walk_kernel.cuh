@@ -1593,9 +1593,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   }
   __syncthreads();
   if (*last_out) {
-    // Only the words written: the direct slots are contiguous, the atomic keys one a line.
-    const int used = direct ? steps * batch * gridDim.x : steps * batch;
-    for (int i = tid; i < used; i += THREADS) a.slots[direct ? size_t(i) : AtomicKey(i / batch, i % batch)] = 0;
+    if constexpr (DIGITS) {
+      // The whole range of the atomic keys: the written words' index below left this kernel two
+      // registers spilled and reloaded every step (NOTES, Session 37).
+      const int used = direct ? steps * batch * gridDim.x : int(AtomicKey(steps, 0));
+      for (int i = tid; i < used; i += THREADS) a.slots[i] = 0;
+    } else {
+      // Only the words written: the direct slots are contiguous, the atomic keys one a line.
+      const int used = direct ? steps * batch * gridDim.x : steps * batch;
+      for (int i = tid; i < used; i += THREADS) a.slots[direct ? size_t(i) : AtomicKey(i / batch, i % batch)] = 0;
+    }
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
