@@ -1549,7 +1549,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         // that compute their noise come here, and those with logits out that cannot be staged.
         GeneralEpilogue();
       }
-      if (kBaseAhead) {
+      // Only where the next tile's bits were loaded: a copy of undefined registers after the last
+      // tile kept them live from step to step, and spilled in the digit kernel (NOTES, Session 38).
+      if (kBaseAhead && n + 1 < tiles.total()) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           base_a[i] = next_a[i];
