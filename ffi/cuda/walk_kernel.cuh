@@ -62,6 +62,9 @@ constexpr int kTileElements = kTileRows * kRank;  // 4096
 constexpr int kMaxSteps = 16;
 constexpr int kMaxBatch = 64;  // columns per launch (8 n-tiles of 8); larger batches take several launches
 constexpr int kMaxStageBytes = 10 * 1024;
+// Launches that do not sample stage up to this (V = 151936: 16 requests): a staged kernel does not
+// read MarkovWalkNoise's pass, so a sampled one would make its noise as it scores.
+constexpr int kMaxStageBytesGreedy = 40 * 1024;
 constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 requests
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
@@ -1672,7 +1675,8 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // loads in flight (the streamed tiles' prefetch among them).
   const int esize = args.base_dtype == kF32 ? 4 : 2;
   const int stage_bytes = args.batch * rows_per_cta * esize;
-  const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  const int max_stage_bytes = args.sampling ? kMaxStageBytes : kMaxStageBytesGreedy;
+  const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= max_stage_bytes;
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
   auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kAnyForm, PAIRS>;
