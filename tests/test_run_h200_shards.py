@@ -1,0 +1,33 @@
+"""benchmarks/run_h200.sh's GPU test shards (CPU): together they run every GPU test exactly once."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_design_floor.py"]
+# A shard's line: pytest ... --durations=12 $t [more files] -k "EXPRESSION" (possibly continued).
+_SHARD = re.compile(r'--durations=12 \$t((?: tests/\S+)*)\s*(?:\\\s*)?-k "([^"]+)"')
+
+
+def shards():
+    script = (ROOT / "benchmarks" / "run_h200.sh").read_text()
+    tests_file = re.search(r"^\s*t=(\S+)$", script, re.M).group(1)
+    return [([tests_file] + files.split(), expression) for files, expression in _SHARD.findall(script)]
+
+
+def collected(files, expression=None):
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    if expression is not None:
+        command += ["-k", expression]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def test_the_shards_run_every_gpu_test_once():
+    found = shards()
+    assert len(found) == 3, found
+    runs = [test for files, expression in found for test in collected(files, expression)]
+    assert sorted(runs) == sorted(collected(GPU_TEST_FILES))
