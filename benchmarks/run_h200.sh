@@ -48,11 +48,14 @@ header() {
 for part in $parts; do
   case $part in
     tests)
-      t=tests/test_cuda.py
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $t tests/test_design_floor.py -k "(benchmark_shapes and not bf16) or sampled or transposed" > /tmp/jm_t1.log 2>&1 & t1=$!
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $t -k "float_head or bf16 or large_batches or beyond_one_launch" > /tmp/jm_t2.log 2>&1 & t2=$!
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $t tests/test_design_floor.py \
-        -k "not benchmark_shapes and not float_head and not bf16 and not sampled and not transposed and not large_batches and not beyond_one_launch" > /tmp/jm_t3.log 2>&1 & t3=$!
+      # Three shards side by side; the third is whatever the first two leave, so that every GPU test
+      # runs exactly once (tests/test_run_h200_shards.py).
+      files="tests/test_cuda.py tests/test_design_floor.py"
+      k1="(benchmark_shapes and not bf16) or sampled or transposed"
+      k2="float_head or bf16 or large_batches or beyond_one_launch"
+      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k1" > /tmp/jm_t1.log 2>&1 & t1=$!
+      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k2" > /tmp/jm_t2.log 2>&1 & t2=$!
+      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "not ($k1) and not ($k2)" > /tmp/jm_t3.log 2>&1 & t3=$!
       wait $t1 $t2 $t3  # not the timeline build, which the timeline part waits for
       { header tests; cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log; } > "$out/h200_test_cuda.log"
       grep -E "passed|failed" "$out/h200_test_cuda.log"

@@ -8,14 +8,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_design_floor.py"]
-# A shard's line: pytest ... --durations=12 $t [more files] -k "EXPRESSION" (possibly continued).
-_SHARD = re.compile(r'--durations=12 \$t((?: tests/\S+)*)\s*(?:\\\s*)?-k "([^"]+)"')
+# The tests part's shell variables (files=, k1=, ...) and each shard's pytest line.
+_VARIABLE = re.compile(r'^\s*(\w+)="([^"]*)"$', re.M)
+_SHARD = re.compile(r'--durations=12 (\S+) -k "([^"]+)"')
 
 
 def shards():
+    """Each shard's files and -k expression, with the script's variables put in."""
     script = (ROOT / "benchmarks" / "run_h200.sh").read_text()
-    tests_file = re.search(r"^\s*t=(\S+)$", script, re.M).group(1)
-    return [([tests_file] + files.split(), expression) for files, expression in _SHARD.findall(script)]
+    variables = dict(_VARIABLE.findall(script))
+
+    def expand(text):
+        return re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], text)
+
+    return [(expand(files).split(), expand(expression)) for files, expression in _SHARD.findall(script)]
 
 
 def collected(files, expression=None):
