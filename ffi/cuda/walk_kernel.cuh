@@ -833,19 +833,21 @@ struct Smem {
 // Which of a CTA's tiles warp w scores. The first `resident` local tiles live in shared memory and
 // are dealt round-robin (tile w + i * W); the rest stream from L2, dealt from the last warp down so
 // that warps with one tile fewer in shared memory take the streamed ones. A warp scores its
-// streamed tiles spread evenly among its resident ones, starting with one, so each streamed
+// streamed tiles spread evenly among its resident ones, starting with one (LEAD: after its first
+// resident tile, whose scoring covers the load of the first streamed one), so each streamed
 // tile's load is issued a few tiles before it is needed. Kernels that keep their streamed tiles
 // (kKeepsStreamed) take them in reverse at odd steps (Streamed), so that each step starts with the
 // tile the step before ended with, still in the prefetch registers: a warp with one streamed tile
 // loads it once a walk, not once a step.
-template <int kWarps>
+template <int kWarps, bool LEAD = false>
 struct WarpTiles {
-  int warp, resident, n_resident, n_streamed;
+  int warp, resident, n_resident, n_streamed, lead;
   __device__ WarpTiles(int w, int resident_tiles, int my_tiles) : warp(w), resident(resident_tiles) {
     const int r = min(resident_tiles, my_tiles);
     n_resident = w < r ? (r - 1 - w) / kWarps + 1 : 0;
     const int first_streamed = r + (kWarps - 1 - w);
     n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarps + 1 : 0;
+    lead = LEAD && n_resident > 0 ? 1 : 0;
   }
   __device__ int total() const { return n_resident + n_streamed; }
   __device__ int Local(bool streamed, int i) const {
@@ -854,7 +856,8 @@ struct WarpTiles {
   // The local tile of the i-th streamed tile that the warp scores at step k.
   __device__ int Streamed(int k, int i) const { return Local(true, k & 1 ? n_streamed - 1 - i : i); }
   // The position in the warp's order of streamed tile `is` (past the end once all are scored).
-  __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
+  // Strictly increasing in is and below total() (total() - lead >= n_streamed).
+  __device__ int StreamedSlot(int is) const { return is < n_streamed ? lead + (is * (total() - lead)) / n_streamed : total(); }
 };
 
 template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false>
@@ -900,6 +903,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
   // kChains independent accumulator chains per n-tile.
   constexpr bool kWgmma = !DIGITS && !PAIRS && NT >= 4;
+  // Whether the mma.sync kernels that convert int8 W2 to fp16 (they do not keep a streamed tile)
+  // load a step's first streamed tile once the choice is in, not before the exchange: 64 KB an SM
+  // from L2 at the top of the step held the 16-request walk's first phase to 1.15 us (0.29 in the
+  // digit kernel, which loads none) and queued ahead of the keys' and W1 rows' loads. A warp then
+  // scores a resident tile first (WarpTiles' LEAD), which covers that load.
+  constexpr bool kStreamsAfterChoice = !kKeepsStreamed && !DIGITS && !kWgmma;
   // Whether step 0 loads and arranges the resident tiles in the tile loop, as it scores them, rather
   // than before it: only in the wgmma kernels of 16-bit W2, where the arranging pass's 16 chunks a
   // lane made ptxas spill in the tile loop (48 -> 116 bytes).
@@ -949,7 +958,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
-  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  const WarpTiles<kWarps, kStreamsAfterChoice> tiles(warp, a.resident_tiles, my_tiles);
   // wgmma is warpgroup-wide: the four warps of a warpgroup run as many tile iterations as the busiest
   // of them, a warp past its own tiles with zero operands and no epilogue.
   int loop_tiles = tiles.total();
@@ -1079,7 +1088,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
-        if (!kKeepsStreamed && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+        if (!kKeepsStreamed && !kStreamsAfterChoice && tiles.n_streamed > 0) {
+          LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+        }
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1200,8 +1211,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int im = 0, is = 0;
     int streamed_slot = tiles.StreamedSlot(0);
     bool next_streamed = streamed_slot == 0;
-    // A step's first streamed tile is in `pre` already (kKeepsStreamed: the one the step before
-    // scored last).
+    // A step's first streamed tile is in `pre` already or on its way (kKeepsStreamed: the one the
+    // step before scored last; kStreamsAfterChoice: loaded just above).
     const int order = kKeepsStreamed ? k : 0;  // WarpTiles::Streamed's step
     int next_tile = next_streamed ? tiles.Streamed(order, 0) : tiles.Local(false, 0);
     uint32_t line[kSlots];
@@ -1209,6 +1220,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
     uint32_t base_a[kSlots], base_b[kSlots];
     if (kBaseAhead && tiles.total() > 0) LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
+    if (kStreamsAfterChoice && k > 0 && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
