@@ -279,31 +279,40 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
   return v;
 }
 
-// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
-// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
-__device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
+// The direct exchange's keys of N requests at step k: each the maximum over every CTA's slot of
+// lines[u] (request u's slots; nullptr: none, its key left 1), once all of them are published (a
+// published key is never 0). One polling loop for all N, so that a warp gathering several requests
+// waits one L2 round trip for them, not N. The whole warp calls it; every lane gets the keys.
+template <int N>
+__device__ __forceinline__ void GatherKeys(const unsigned long long* const (&lines)[N], int lane, unsigned long long (&key)[N]) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
-  unsigned long long v[kPerLane];
+  unsigned long long v[N][kPerLane];
   bool ready;
   do {
     ready = true;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      v[i] = 1;
-      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
-      ready = ready && v[i] != 0;
+    for (int u = 0; u < N; ++u) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[u][i] = 1;
+        if (lines[u] != nullptr && c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[u][i]) : "l"(lines[u] + c) : "memory");
+        ready = ready && v[u][i] != 0;
+      }
     }
   } while (!__all_sync(0xffffffffu, ready));
-  unsigned long long best = v[0];
 #pragma unroll
-  for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
+  for (int u = 0; u < N; ++u) {
+    unsigned long long best = v[u][0];
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
-    best = other > best ? other : best;
+    for (int i = 1; i < kPerLane; ++i) best = v[u][i] > best ? v[u][i] : best;
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
+      best = other > best ? other : best;
+    }
+    key[u] = best;
   }
-  return best;
 }
 
 // The exchange above kDirectBatch: N requests' choices of step `step` (requests first + u x stride, the
@@ -886,9 +895,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
-  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
-  // latency.
-  constexpr int kLoadAhead = 2;
+  // Resident tiles in flight per warp during step 0: 16 warps x 2 x 4 KB per SM cover HBM's latency
+  // (8 warps x 4 x 4 KB).
+  constexpr int kLoadAhead = DIGITS || PAIRS || W2 != kW2Int8 || THREADS != 256 || NT > 2 ? 2 : 4;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
@@ -910,7 +919,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kGroupNoise = kWgmma;
   constexpr int kNoiseGroup = kGroupNoise ? 2 : 1;
   constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
-  constexpr int kChains = NT == 1 ? 2 : 1;
+  // The int8 -> fp16 kernel of 9-16 requests runs 8 warps (WalkThreads), whose 255 registers a thread
+  // hold e's B fragments for the whole step (64 registers), so that a tile reads only its W2 from
+  // shared memory, and two accumulator chains per n-tile.
+  constexpr bool kFragsInRegisters = !kWgmma && !DIGITS && !PAIRS && W2 == kW2Int8 && THREADS == 256;
+  constexpr int kChains = NT == 1 || kFragsInRegisters ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
@@ -1101,12 +1114,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // A warp walks at most kDirectPerWarp requests here.
+        // A warp walks at most kDirectPerWarp requests here, gathered together.
+        const unsigned long long* lines[kDirectPerWarp];
+        unsigned long long key[kDirectPerWarp];
 #pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
+        for (int u = 0; u < kDirectPerWarp; ++u) {
           const int b = first + u * kWarps;
-          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+          lines[u] = b < batch ? a.slots + size_t((k - 1) * batch + b) * gridDim.x : nullptr;
         }
+        GatherKeys(lines, lane, key);
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] = u < kDirectPerWarp && lines[u] != nullptr ? int(ArgmaxKeyIndex(key[u])) : 0;
       } else {
         FetchChoices(a.slots, k - 1, first, kWarps, batch, row);
       }
@@ -1152,6 +1170,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     Stamp(a, k, 3);
 
     // 2. Score this warp's tiles; keep the best key per owned request in registers.
+    // kFragsInRegisters: the step's B fragments, as the tiles read them from `frag` otherwise.
+    uint2 e_frag[kFragsInRegisters ? NT : 1][16];
+    if constexpr (kFragsInRegisters) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int s = 0; s < 16; ++s) e_frag[nt][s] = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
+      }
+    }
+    const auto StepFragment = [&](int nt, int s) {
+      if constexpr (kFragsInRegisters) return e_frag[nt][s];
+      else return reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
+    };
     uint4 digit_frag[4];  // DIGITS: lane (g, t)'s B fragments, column g at k = 64q + 16t .. +15
     if constexpr (DIGITS) {
 #pragma unroll
@@ -1164,7 +1195,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
     // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
     // that spill store waited for their global load (8 % of the B = 16 greedy samples).
-    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS && !kFragsInRegisters;
     float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
@@ -1320,7 +1351,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
               const uint4 op = StepOperands(rows_order, chunks, s);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
-                const uint2 bf = reinterpret_cast<const uint2*>(frag)[(nt * 16 + s) * 32 + lane];
+                const uint2 bf = StepFragment(nt, s);
                 Mma16816<W2 == kW2BF16>(acc[(s % kChains) * NT + nt], op.x, op.y, op.z, op.w, bf.x, bf.y);
               }
             }
@@ -1654,15 +1685,20 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
   return size_t(batch) * rows_per_cta * sizeof(float) <= size_t(kMaxNoiseBytes);
 }
 
+// A launch's threads a CTA: 16 warps for int8 W2 up to 8 columns and for the split and digit-pair
+// kernels of up to 16 (at most 128 registers: some kernels spill a few dozen bytes), since a tile is a
+// chain of latencies that other warps cover; 8 for the others: 16-bit W2 tiles and wider batches
+// hold more registers per lane, and the int8 kernel of 9-16 requests holds e's fragments in them.
+constexpr int WalkThreads(int nt, bool split, bool pairs, int w2) {
+  return w2 == kW2Int8 && (nt == 1 || (nt == 2 && (split || pairs))) ? 512 : 256;
+}
+
 // One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
 // `noise_buffer` (room for [K, ceil(V / 16), batch, 16] floats), has its noise computed there first by
 // MarkovWalkNoise, on the same stream.
 template <int NT, bool SPLIT, bool DIGITS, int W2, bool PAIRS = false>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
-  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
-  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
-  // batches hold more registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
+  constexpr int kThreads = WalkThreads(NT, SPLIT, PAIRS, W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
