@@ -922,7 +922,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // The int8 -> fp16 kernel of 9-16 requests runs 8 warps (WalkThreads), whose 255 registers a thread
   // hold e's B fragments for the whole step (64 registers), so that a tile reads only its W2 from
   // shared memory, and two accumulator chains per n-tile.
-  constexpr bool kFragsInRegisters = !kWgmma && !DIGITS && !PAIRS && W2 == kW2Int8 && THREADS == 256;
+  constexpr bool kFragsInRegisters = false;  // v108b: 8 warps, B fragments from shared memory, one chain
   constexpr int kChains = NT == 1 || kFragsInRegisters ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
