@@ -261,13 +261,14 @@ def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, 
     np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
 
 
-# 6 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 24 and 40 walk in the
-# transposed kernel (V % 8 == 0), which makes their noise itself.
-@pytest.mark.parametrize("batch", [6, 24, 40])
-def test_padding_d2t_logit_scale(check_parity, batch):
+# 6 and 12 requests exchange through per-CTA slots, 24 and 40 through the atomic keys; 24 and 40 walk in
+# the transposed kernel (V % 8 == 0), which makes their noise itself. 12 greedy requests walk in the
+# halves kernel (MarkovWalkKernel's kHalves) where no logits go out.
+@pytest.mark.parametrize("batch,mixed", [(6, True), (12, False), (24, True), (40, True)])
+def test_padding_d2t_logit_scale(check_parity, batch, mixed):
     rng = np.random.default_rng(3 + batch)
     vocab, v_target = 32000, 128256
-    base, anchor, head, kw = make_case(rng, batch, 7, vocab, v_target=v_target, mixed=True)
+    base, anchor, head, kw = make_case(rng, batch, 7, vocab, v_target=v_target, mixed=mixed)
     d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
     check_parity(base, anchor, head, kw, d2t=d2t, vocab_size=vocab - 77, logit_scale=1.7)
     got = jm.walk(base, anchor, head, impl="ffi", vocab_size=vocab - 77, return_logits=True)
@@ -275,9 +276,11 @@ def test_padding_d2t_logit_scale(check_parity, batch):
 
 
 # Batch 4 scores with mma.sync, greedy walks without logits in the branch-free epilogue, with logits in
-# the general epilogue; 24 and 40 take the transposed kernel (packed at 24, not at 40), its plain
-# epilogue without logits and its GENERAL one with them.
-@pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (24, jnp.bfloat16), (24, jnp.float16), (40, jnp.float32)])
+# the general epilogue; 12 over bf16 base logits without logits out in the halves kernel; 24 and 40
+# take the transposed kernel (packed at 24, not at 40), its plain epilogue without logits and its
+# GENERAL one with them.
+@pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (12, jnp.bfloat16), (24, jnp.bfloat16), (24, jnp.float16),
+                                              (40, jnp.float32)])
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     rng = np.random.default_rng(5)
@@ -375,10 +378,12 @@ def test_jit_while_loop_and_vmap():
                                                                             impl="reference").tokens))
 
 
-# 16 requests with logits exchange directly in MarkovWalkKernel; 40 walk in the transposed kernel
-# (atomic exchange), without logits and with them (GENERAL). Each leaves the workspace as the next call
-# needs it: the second input set's tokens equal the reference's and the first set's bits repeat.
-@pytest.mark.parametrize("batch,vocab,return_logits", [(16, 80021, True), (40, 80024, False), (40, 80024, True)])
+# 16 requests exchange directly in MarkovWalkKernel (with logits; without, in the halves kernel); 40
+# walk in the transposed kernel (atomic exchange), without logits and with them (GENERAL). Each leaves
+# the workspace as the next call needs it: the second input set's tokens equal the reference's and the
+# first set's bits repeat.
+@pytest.mark.parametrize("batch,vocab,return_logits", [(16, 80021, True), (16, 80021, False), (40, 80024, False),
+                                                       (40, 80024, True)])
 def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     rng = np.random.default_rng(21)
     f = jax.jit(lambda b, a, h: jm.walk(b, a, h, impl="ffi", return_logits=return_logits))

@@ -783,9 +783,9 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
 // ([B, K, V]: Launch keeps B K V below 2^32), or STAGED into `staged` ([B][stage_rows], less
 // first_row, so that adding a row of this CTA gives its index). Requests past the batch read the last
 // one's. Computed once a step, so that a tile's loads add only their rows.
-template <bool SPLIT, bool DIGITS, bool STAGED>
-__device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, int first_row, int k, int i, int t) {
-  const int rq = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1);
+template <bool STAGED>
+__device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, int first_row, int k, int request) {
+  const int rq = min(request, a.batch - 1);
   return STAGED ? uint32_t(rq * stage_rows - first_row) : uint32_t(rq * a.steps + k) * uint32_t(a.vocab);
 }
 
@@ -816,10 +816,14 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
 
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
 // logits and the Gumbel noise (small batches), then the resident W2 tiles.
-template <int NT, bool PAIRS = false>
+template <int NT, bool PAIRS = false, bool HALVES = false>
 struct Smem {
+  // The halves' exchange of partial sums (HALVES: [warp pairs][2 senders][2 buffers][32 lanes] float4,
+  // 8 pairs) over the B fragments, which are in registers by the time it is written.
+  static constexpr int kExchangeBytes = HALVES ? 8 * 2 * 2 * 32 * 16 : 0;
   // B for 16 k-steps (FragWord), or for PAIRS 8 k32-steps of int8 digits (BuildDigitPairs).
-  static constexpr int kFragBytes = (PAIRS ? 8 : 16) * kFragStepBytes<NT>;
+  static constexpr int kBFragBytes = (PAIRS ? 8 : 16) * kFragStepBytes<NT>;
+  static constexpr int kFragBytes = kBFragBytes > kExchangeBytes ? kBFragBytes : kExchangeBytes;
   // + the last-CTA flag, then two mbarriers a warp (the noise stage).
   static constexpr int kStateBytes = kMaxBatch * (8 + 4 * 6) + 16 + 2 * kMaxWarps * 8;
   static constexpr int kFixedBytes = kFragBytes + kStateBytes;
@@ -860,14 +864,25 @@ struct WarpTiles {
 template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
-  static_assert(FORM == kAnyForm || DIGITS, "only the digit kernel has instances for the known launch forms");
+  static_assert(FORM == kAnyForm || DIGITS || (FORM == kPlainForm && NT == 2 && !SPLIT && !PAIRS && W2 == kW2Int8 && THREADS == 512),
+                "only the digit kernel and the halves kernel have instances for the known launch forms");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
-  constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
+  // The halves kernel (kPlainForm at 9-16 requests: greedy, no logits out, bf16 base logits): warps w
+  // and w + kWarps / 2 score the same tiles, each over half of k (k-steps 8 h .. 8 h + 7: the half of
+  // a lane's chunks and of e's B fragments that they take, the fragments held in registers for the
+  // step), and trade partial sums through shared memory, so that each chooses from one n-tile (8
+  // requests) with all of k. A tile's work splits in two without reading B fragments from shared
+  // memory, and 72 tiles a CTA (V = 151936) fall 9 to each pair.
+  constexpr bool kHalves = FORM == kPlainForm && !DIGITS;
+  constexpr int kTileWarps = kHalves ? kWarps / 2 : kWarps;  // warps (pairs) that tiles are dealt to
+  constexpr int kOwnChunks = kHalves ? kChunks / 2 : kChunks;  // the chunks a lane loads of a tile
+  using Layout = Smem<NT, PAIRS, kHalves>;
+  constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : (kHalves ? 2 : 2 * NT));  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
@@ -888,7 +903,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kFillWhileGathering = NT <= 2;
   // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
   // latency.
-  constexpr int kLoadAhead = 2;
+  constexpr int kLoadAhead = kHalves ? 4 : 2;  // the halves kernel's tiles: 2 KB a warp
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
@@ -914,7 +929,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
-  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Smem<NT, PAIRS>::kFragBytes);
+  unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kFragBytes);
   int* prev = reinterpret_cast<int*>(cta_best + kMaxBatch);
   float* unscale = reinterpret_cast<float*>(prev + kMaxBatch);
   float* inv_t = unscale + kMaxBatch;
@@ -923,7 +938,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   uint32_t* pos = key1 + kMaxBatch;
   int* last_out = reinterpret_cast<int*>(pos + kMaxBatch);
   uint64_t* noise_bar = reinterpret_cast<uint64_t*>(last_out + 4);  // [kWarps][2]
-  float* scales = reinterpret_cast<float*>(smem + Smem<NT, PAIRS>::kFixedBytes);
+  float* scales = reinterpret_cast<float*>(smem + Layout::kFixedBytes);
   const int stage_rows = a.tiles_per_cta * kTileRows;
   unsigned char* staged = reinterpret_cast<unsigned char*>(scales + stage_rows);
   float* noise = reinterpret_cast<float*>(staged + (STAGED ? size_t(a.batch) * stage_rows * ElementBytes(a.base_dtype) : 0));
@@ -937,8 +952,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // values; f32 values as two such arrays, their high halves and their low halves.
   const bool staged_out = kStagedOut && a.logits_staged;
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
-  const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
-  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
+  const int out_stage_bytes = Layout::OutStageBytes(f32_out);  // a warp's
+  unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Layout::NoiseStageFloats(a.batch) : 0));
   unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -949,7 +964,11 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const int total_tiles = (vocab + kTileRows - 1) / kTileRows;
   const int my_tiles = max(0, min(a.tiles_per_cta, total_tiles - first_tile));
   const int my_rows = max(0, min(my_tiles * kTileRows, vocab - first_row));
-  const WarpTiles<kWarps> tiles(warp, a.resident_tiles, my_tiles);
+  // kHalves: this warp's half of k, and its pair (the warps that tiles are dealt to).
+  const int half = kHalves ? warp / kTileWarps : 0, pair = warp % kTileWarps;
+  const WarpTiles<kTileWarps> tiles(pair, a.resident_tiles, my_tiles);
+  // The request of this lane's slot i (kHalves: of n-tile `half`).
+  const auto RequestOf = [&](int i) { return (kHalves ? 8 * half : 0) + SlotRequest<SPLIT, DIGITS>(i, t); };
   // wgmma is warpgroup-wide: the four warps of a warpgroup run as many tile iterations as the busiest
   // of them, a warp past its own tiles with zero operands and no epilogue.
   int loop_tiles = tiles.total();
@@ -962,7 +981,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTileRows; };
 
   Stamp(a, 0, 0);
-  for (int i = tid; i < Smem<NT, PAIRS>::kFragBytes / 4; i += THREADS) frag[i] = 0;
+  for (int i = tid; i < Layout::kFragBytes / 4; i += THREADS) frag[i] = 0;
   if (noise_pass && lane < 2) {
     MbarrierInit(&noise_bar[2 * warp + lane]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -982,21 +1001,34 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
   // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
   // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
+  // The u-th of the chunks a lane loads: all of them, or (kHalves) those of its half of k, chunks
+  // 2 h, 2 h + 1 of each of its rows (k-steps 8 h .. 8 h + 7; see StepOperands).
+  const auto OwnChunk = [&](int u) { return kHalves ? (u / 2) * (kChunks / 2) + 2 * half + u % 2 : u; };
   const auto LoadResident = [&](int i) {
     const int j = tiles.Local(false, i), row0 = RowOf(j);
     uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
+    for (int u = 0; u < kOwnChunks; ++u) {
+      const int c = OwnChunk(u);
       const bool inside = row0 + g + (c < kChunks / 2 ? 0 : 8) < vocab;
       CpAsync16(slot + c * 32, TileChunk<W2>(a.w2, vocab, row0, g, t, c), inside);
     }
     CpAsyncCommit();
   };
+  // A streamed tile's chunks into `raw` (kHalves: the own ones, compacted), from L2.
+  const auto LoadStreamed = [&](int row0, uint4 (&raw)[kChunks]) {
+    if constexpr (kHalves) {
+#pragma unroll
+      for (int u = 0; u < kOwnChunks; ++u) raw[u] = __ldcg(TileChunk<W2>(a.w2, vocab, row0, g, t, OwnChunk(u)));
+    } else {
+      LoadTileGlobal<W2>(a.w2, vocab, row0, g, t, raw);
+    }
+  };
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
   for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
-  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+  if (tiles.n_streamed > 0) LoadStreamed(RowOf(tiles.Streamed(0, 0)), pre);
   // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
   // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
   for (int i = tid; i < stage_rows; i += THREADS) {
@@ -1033,7 +1065,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   unsigned char* out_buffer = out_stage + warp * out_stage_bytes;
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
-  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem<NT, PAIRS>::kOutStageBytes : 0);
+  const uint32_t out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Layout::kOutStageBytes : 0);
   const auto StageLogits = [&](int nt, const uint32_t (&stored)[2][2]) {
     const uint32_t low0 = __byte_perm(stored[0][0], stored[0][1], 0x5410), low1 = __byte_perm(stored[1][0], stored[1][1], 0x5410);
     if (f32_out) {
@@ -1052,7 +1084,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const size_t at = (size_t(rq) * steps + k) * vocab + row;
         const uint4 piece = *reinterpret_cast<const uint4*>(out_buffer + p * 16);
         if (f32_out) {
-          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Smem<NT, PAIRS>::kOutStageBytes + p * 16);
+          const uint4 low = *reinterpret_cast<const uint4*>(out_buffer + Layout::kOutStageBytes + p * 16);
           uint4* dst = reinterpret_cast<uint4*>(static_cast<float*>(a.logits) + at);
           __stcs(dst, make_uint4(__byte_perm(low.x, piece.x, 0x5410), __byte_perm(low.x, piece.x, 0x7632),
                                  __byte_perm(low.y, piece.y, 0x5410), __byte_perm(low.y, piece.y, 0x7632)));
@@ -1079,7 +1111,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         } else {
           PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
         }
-        if (!kKeepsStreamed && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+        if (!kKeepsStreamed && tiles.n_streamed > 0) LoadStreamed(RowOf(tiles.Streamed(0, 0)), pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);
       }
       // Wait for every CTA's step k-1 key (they arrived at the end of step k-1); the direct
@@ -1152,6 +1184,17 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     Stamp(a, k, 3);
 
     // 2. Score this warp's tiles; keep the best key per owned request in registers.
+    // kHalves: this half's B fragments (k-steps 8 h .. 8 h + 7 of both n-tiles) for the whole step.
+    // The exchange of partial sums overwrites `frag`, so every warp takes its fragments first.
+    uint2 e_frag[kHalves ? NT : 1][8];
+    if constexpr (kHalves) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int s = 0; s < 8; ++s) e_frag[nt][s] = reinterpret_cast<const uint2*>(frag)[(nt * 16 + 8 * half + s) * 32 + lane];
+      }
+      __syncthreads();
+    }
     uint4 digit_frag[4];  // DIGITS: lane (g, t)'s B fragments, column g at k = 64q + 16t .. +15
     if constexpr (DIGITS) {
 #pragma unroll
@@ -1164,15 +1207,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
     // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
     // that spill store waited for their global load (8 % of the B = 16 greedy samples).
-    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS && !kHalves;
     float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(RequestOf(i), batch - 1)] * a.logit_scale;
     }
     const auto UnscaleOf = [&](int i) {
-      if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (kUnscaleFromSmem) return unscale[min(RequestOf(i), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
     // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
@@ -1206,7 +1249,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int next_tile = next_streamed ? tiles.Streamed(order, 0) : tiles.Local(false, 0);
     uint32_t line[kSlots];
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
+    for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<STAGED>(a, stage_rows, first_row, k, RequestOf(i));
     uint32_t base_a[kSlots], base_b[kSlots];
     if (kBaseAhead && tiles.total() > 0) LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
@@ -1271,7 +1314,47 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           return FragmentChunk<W2>(chunks, s, rows_order);
         }
       };
-      if constexpr (!kWgmma) {
+      if constexpr (kHalves) {
+        // This half's 8 k-steps of both n-tiles from its own chunks (`own`: rows g and g + 8, chunks
+        // 2 h and 2 h + 1 of each: k-step s takes word s % 4 of chunk s / 4, as StepOperands does), then
+        // the partner's sums of n-tile `half` in exchange for ours of the other: buffer n % 2 of each
+        // sender, one barrier of the pair a tile (a buffer is written again two tiles later, after the
+        // partner has passed the next barrier, so after its read).
+        uint4 own[kOwnChunks];
+        if (streamed) {
+#pragma unroll
+          for (int u = 0; u < kOwnChunks; ++u) own[u] = pre[u];
+        } else {
+#pragma unroll
+          for (int u = 0; u < kOwnChunks; ++u) own[u] = slot[OwnChunk(u) * 32];
+        }
+        float acc[kChains * NT][4] = {};
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const uint32_t wa = Word(own[s >> 2], s & 3) ^ 0x80808080u, wb = Word(own[2 + (s >> 2)], s & 3) ^ 0x80808080u;
+          const uint32_t a0 = Int8PairToHalf2(wa, 0x4140), a1 = Int8PairToHalf2(wb, 0x4140);
+          const uint32_t a2 = Int8PairToHalf2(wa, 0x4342), a3 = Int8PairToHalf2(wb, 0x4342);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) Mma16816<false>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, e_frag[nt][s].x, e_frag[nt][s].y);
+        }
+        float sums[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sums[nt][e] = acc[nt][e] + acc[NT + nt][e];
+        }
+        float4* exchange = reinterpret_cast<float4*>(smem);
+        const float4 mine = half ? make_float4(sums[0][0], sums[0][1], sums[0][2], sums[0][3])
+                                 : make_float4(sums[1][0], sums[1][1], sums[1][2], sums[1][3]);
+        exchange[((pair * 2 + half) * 2 + (n & 1)) * 32 + lane] = mine;
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + pair) : "memory");
+        const float4 theirs = exchange[((pair * 2 + (1 - half)) * 2 + (n & 1)) * 32 + lane];
+        // Columns 2t, 2t + 1 of n-tile `half` (slots 0 and 1), rows g (x, y) and g + 8 (z, w).
+        dot_a[0] = (half ? sums[1][0] : sums[0][0]) + theirs.x;
+        dot_a[1] = (half ? sums[1][1] : sums[0][1]) + theirs.y;
+        dot_b[0] = (half ? sums[1][2] : sums[0][2]) + theirs.z;
+        dot_b[1] = (half ? sums[1][3] : sums[0][3]) + theirs.w;
+      } else if constexpr (!kWgmma) {
         const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
@@ -1366,7 +1449,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           dot_b[i] = SPLIT ? d[4 * nt + 2] + d[4 * nt + 3] : d[4 * nt + 2 + c];
         }
       }
-      if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(order, is)), g, t, pre);
+      if (streamed && is < tiles.n_streamed) LoadStreamed(RowOf(tiles.Streamed(order, is)), pre);
       if (!active) continue;
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
@@ -1422,7 +1505,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         uint32_t stored[2][2];  // kStage: an n-tile's stored bits, [h][i % 2]
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          const int owner = kSplitRows ? t / 2 : SlotRequest<SPLIT, DIGITS>(i, t), rq = min(owner, batch - 1);
+          const int owner = kSplitRows ? t / 2 : RequestOf(i), rq = min(owner, batch - 1);
           const float it = inv_t[rq];
           const int out_line = rq * steps + k;  // of logits [B, K, V]
           const int noise_line = rq * noise_stride + noise_offset;
@@ -1482,7 +1565,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             uint32_t k0[2 * kNoiseGroup], k1[2 * kNoiseGroup], v[2 * kNoiseGroup], position[2 * kNoiseGroup];
 #pragma unroll
             for (int c = 0; c < 2 * kNoiseGroup; ++c) {
-              const int rq = min(SlotRequest<SPLIT, DIGITS>(i0 + c / 2, t), batch - 1);
+              const int rq = min(RequestOf(i0 + c / 2), batch - 1);
               k0[c] = key0[rq];
               k1[c] = key1[rq];
               v[c] = uint32_t(c % 2 ? row_b : row_a);
@@ -1492,7 +1575,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
 #pragma unroll
           for (int j = 0; j < kNoiseGroup; ++j) {
-            const int i = i0 + j, rq = SlotRequest<SPLIT, DIGITS>(i, t);
+            const int i = i0 + j, rq = RequestOf(i);
             if (rq >= batch) continue;
             const float unscale_i = UnscaleOf(i);
 #pragma unroll
@@ -1577,7 +1660,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
         best[i] = other > best[i] ? other : best[i];
       }
-      const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+      const int rq = RequestOf(i);
       if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
     }
     __syncthreads();
@@ -1698,6 +1781,15 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
                      : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
     }
   }
+  // The halves kernel for the plain walk of 9-16 requests (kHalves in MarkovWalkKernel).
+  bool halves = false;
+  if constexpr (NT == 2 && !SPLIT && !DIGITS && !PAIRS && W2 == kW2Int8) {
+    halves = args.base_dtype == kBF16 && args.logits == nullptr && !args.sampling;
+    if (halves) {
+      kernel = stage ? MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kPlainForm>
+                     : MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kPlainForm>;
+    }
+  }
   args.noise = nullptr;
   if (ReadsNoisePass(NT, SPLIT, DIGITS) && args.sampling && !args.noise_ahead && !stage && noise_buffer != nullptr) {
     const dim3 noise_grid((args.vocab + kNoiseValuesPerBlock - 1) / kNoiseValuesPerBlock, args.steps, args.batch);
@@ -1706,13 +1798,14 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
     if (err != cudaSuccess) return CudaError("launching MarkovWalkNoise", err);
     args.noise = noise_buffer;
   }
-  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Smem<NT, PAIRS>::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
+  using Layout = Smem<NT, PAIRS>;
+  const int noise_stage_bytes = args.noise != nullptr ? kThreads / 32 * Layout::NoiseStageFloats(args.batch) * int(sizeof(float)) : 0;
   // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
   // that every store is aligned and a tile's rows past V are whole pieces).
   args.logits_staged = StagesLogits(NT, SPLIT, DIGITS, args.logits_dtype == kF32) && args.logits != nullptr &&
                        args.vocab % 8 == 0;
-  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
-  const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
+  const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Layout::OutStageBytes(args.logits_dtype == kF32) : 0;
+  const int fixed = (halves ? Smem<NT, PAIRS, true>::kFixedBytes : Layout::kFixedBytes) + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
                     (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
