@@ -1328,20 +1328,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
           for (int u = 0; u < kOwnChunks; ++u) own[u] = slot[OwnChunk(u) * 32];
         }
-        float acc[kChains * NT][4] = {};
+        float sums[NT][4] = {};  // one accumulator chain an n-tile: 8 MMAs
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const uint32_t wa = Word(own[s >> 2], s & 3) ^ 0x80808080u, wb = Word(own[2 + (s >> 2)], s & 3) ^ 0x80808080u;
           const uint32_t a0 = Int8PairToHalf2(wa, 0x4140), a1 = Int8PairToHalf2(wb, 0x4140);
           const uint32_t a2 = Int8PairToHalf2(wa, 0x4342), a3 = Int8PairToHalf2(wb, 0x4342);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) Mma16816<false>(acc[(s % kChains) * NT + nt], a0, a1, a2, a3, e_frag[nt][s].x, e_frag[nt][s].y);
-        }
-        float sums[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sums[nt][e] = acc[nt][e] + acc[NT + nt][e];
+          for (int nt = 0; nt < NT; ++nt) Mma16816<false>(sums[nt], a0, a1, a2, a3, e_frag[nt][s].x, e_frag[nt][s].y);
         }
         float4* exchange = reinterpret_cast<float4*>(smem);
         const float4 mine = half ? make_float4(sums[0][0], sums[0][1], sums[0][2], sums[0][3])
