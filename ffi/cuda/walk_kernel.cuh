@@ -376,6 +376,13 @@ __device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int ti
   }
 }
 
+// Words [0, n) set to 0 by the CTA's `threads` threads. (Written as an index from `first` in the
+// kernel's tail, the loop changed ptxas's allocation of the tile loop: 48 bytes spilled there at one
+// request; NOTES, Session 42.)
+__device__ __forceinline__ void ClearWords(unsigned long long* words, int n, int tid, int threads) {
+  for (int i = tid; i < n; i += threads) words[i] = 0;
+}
+
 // Step k's key of every request from this CTA (cta_best, left zeroed): its own slot per request with
 // the direct exchange (always a key: 1 is no candidate here), else one atomicMax per request and an
 // arrival after a CTA barrier. A CTA whose candidate may win asks L2 for its W1 row: with the direct
@@ -391,6 +398,9 @@ __device__ __forceinline__ void PublishKeys(const WalkArgs& a, int k, bool direc
     if (direct) {
       unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
       asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
+      // This CTA gathered step k - 1's keys from every CTA, each published after that CTA read the
+      // slots of step k - 2: this CTA's slot there is read by no one any more.
+      if (k >= 2) asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot - size_t(2 * batch) * gridDim.x), "l"(0ull) : "memory");
       if (mine != 0 && prefetch) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
     } else if (mine != 0) {
       before = atomicMax(&a.slots[AtomicKey(k, tid)], mine);
@@ -1069,7 +1079,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
-  for (int k = 0; k <= steps; ++k) {
+  // With the direct exchange only CTA 0 reads the last step's keys: it writes the tokens and clears
+  // the slots. (A loop bound: an exit from the loop at that step spilled in the tile loop.)
+  const int last = direct && blockIdx.x != 0 ? steps - 1 : steps;
+  for (int k = 0; k <= last; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
       // Step k's inputs that do not depend on the choice start moving before the wait.
@@ -1589,7 +1602,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     Stamp(a, k, 5);
   }
 
-  // The last CTA out leaves the workspace zeroed for the next call on this stream.
+  // The workspace is left zeroed for the next call on this stream, with no grid-wide arrival for the
+  // direct exchange: each CTA cleared its slots of steps 0 .. steps - 3 as it went (PublishKeys), and
+  // CTA 0, which alone read the last step's keys, clears steps - 2 and steps - 1 (every CTA read
+  // step steps - 2's slots before it published the step steps - 1 keys that CTA 0 gathered). With
+  // the atomic exchange the last CTA out clears the keys and the counters.
+  if (direct) {
+    if (blockIdx.x == 0) {
+      __syncthreads();
+      const int first = max(0, steps - 2) * batch * gridDim.x;
+      ClearWords(a.slots + first, steps * batch * gridDim.x - first, tid, THREADS);
+    }
+    return;
+  }
   __syncthreads();
   if (tid == 0) {
     __threadfence();
@@ -1601,12 +1626,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     if constexpr (DIGITS) {
       // The whole range of the atomic keys: the written words' index below left this kernel two
       // registers spilled and reloaded every step (NOTES, Session 37).
-      const int used = direct ? steps * batch * gridDim.x : int(AtomicKey(steps, 0));
-      for (int i = tid; i < used; i += THREADS) a.slots[i] = 0;
+      for (int i = tid; i < int(AtomicKey(steps, 0)); i += THREADS) a.slots[i] = 0;
     } else {
-      // Only the words written: the direct slots are contiguous, the atomic keys one a line.
-      const int used = direct ? steps * batch * gridDim.x : steps * batch;
-      for (int i = tid; i < used; i += THREADS) a.slots[direct ? size_t(i) : AtomicKey(i / batch, i % batch)] = 0;
+      // Only the words written: the atomic keys, one a line.
+      for (int i = tid; i < steps * batch; i += THREADS) a.slots[AtomicKey(i / batch, i % batch)] = 0;
     }
     if (tid == 0) {
       a.counters[0] = 0;
