@@ -395,16 +395,22 @@ def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
     np.testing.assert_array_equal(np.asarray(r2.tokens), np.asarray(ref2.tokens))
 
 
-# The atomic exchange's keys of one call must all be zero for the next, whatever its shape: a larger call
-# followed by smaller ones (fewer requests, fewer steps) in the transposed kernel (int8 W2) and in
-# MarkovWalkKernel (bf16 W2, above 16 requests); a stale key would win its slot and change a token.
-@pytest.mark.parametrize("w2_dtype", [jnp.int8, jnp.bfloat16])
-def test_keys_clean_across_shapes(check_parity, w2_dtype):
+# The exchange's words of one call must all be zero for the next, whatever its shape: a larger call
+# followed by smaller ones (fewer requests, fewer steps). The atomic exchange in the transposed kernel
+# (int8 W2) and in MarkovWalkKernel (bf16 W2, above 16 requests); the direct one (up to 16 requests),
+# whose slots each CTA clears as it goes and CTA 0 clears for the last two steps, at K = 1 and 2 too.
+# A stale key would win its slot, or a stale direct slot read as published, and change a token.
+@pytest.mark.parametrize("w2_dtype,shapes", [
+    (jnp.int8, [(64, 7), (24, 3), (40, 5), (17, 7)]),
+    (jnp.bfloat16, [(64, 7), (24, 3), (40, 5), (17, 7)]),
+    (jnp.int8, [(16, 16), (16, 1), (3, 2), (16, 7), (1, 3), (9, 2), (2, 1)]),
+], ids=["atomic-int8", "atomic-bf16", "direct-int8"])
+def test_keys_clean_across_shapes(check_parity, w2_dtype, shapes):
     rng = np.random.default_rng(22)
-    for batch, steps in [(64, 7), (24, 3), (40, 5), (17, 7)]:
+    for batch, steps in shapes:
         base, anchor, head, _ = make_case(rng, batch, steps, 80024, w2_dtype=w2_dtype)
         if w2_dtype == jnp.int8:
-            assert native.cuda_transposed_launches(batch, 80024, head.w1.dtype, logits_out=True) == [True]
+            assert native.cuda_transposed_launches(batch, 80024, head.w1.dtype, logits_out=True) == [batch > 16]
         check_parity(base, anchor, head, {})
 
 
