@@ -17,7 +17,9 @@ Phases of step k, per CTA (medians over CTAs, in us):
   score    the CTA's tiles scored and reduced to one key per request
   publish  the keys published and the arrival counted
 and across CTAs: `arrival spread` (last CTA's arrival minus the median arrival) and `release`
-(the last arrival to the median CTA's end of wait at the next step).
+(the last arrival to the median CTA's end of wait at the next step). With the direct exchange only
+CTA 0 waits for the last step's keys (the other CTAs end after publishing them): the last step's
+`release` and `step` are CTA 0's.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ def read_stamps():
 def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
     """One dict per step (the COLUMNS' medians and the spreads, in us) and the kernel's totals."""
     start = phases[:, 0, 0].min()
+    stamped = phases >= start  # the others are an earlier launch's
     us = lambda x: float(x) / 1e3
     rows = []
     for k in range(steps):
@@ -58,8 +61,9 @@ def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
         durations = [np.median(s[:, p + 1] - s[:, p]) for p in range(5)]
         arrival = s[:, 5]
         spread = arrival.max() - np.median(arrival)
-        release = np.median(phases[:, k + 1, 2]) - arrival.max()
-        step_len = np.median(phases[:, k + 1, 2] - (s[:, 2] if k > 0 else s[:, 0]))
+        waited = stamped[:, k + 1, 2]  # every CTA but at the last step (direct exchange: CTA 0)
+        release = np.median(phases[waited, k + 1, 2]) - arrival.max()
+        step_len = np.median(phases[waited, k + 1, 2] - (s[waited, 2] if k > 0 else s[waited, 0]))
         w = warps[:, k, :]
         valid = w >= s[:, 3:4]
         first = np.where(valid, w, np.iinfo(np.int64).max).min(axis=1)
@@ -67,7 +71,7 @@ def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
         warp_spread = np.median(last - first)
         rows.append(dict(zip(COLUMNS, map(us, durations)), step=k, warp_spread=us(warp_spread),
                          arrival_spread=us(spread), release=us(release), total=us(step_len)))
-    end = phases[:, steps, 3].max()
+    end = np.where(stamped, phases, start).max()
     totals = dict(kernel_us=us(end - start),
                   launch_skew_us=us(phases[:, 0, 0].max() - start))
     return rows, totals
