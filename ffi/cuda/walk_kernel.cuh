@@ -1398,19 +1398,23 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
       // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
       // never published.
+      // A slot's two rows are compared as floats first and only the better one is packed into a key:
+      // row g + 8 wins only if its l is larger, or a NaN where row g's is not (the lower row wins ties
+      // and the first NaN wins, as the keys' integer maximum would choose).
       const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           const float unscale_i = UnscaleOf(i);
+          float l[2];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
             const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
-            const float l = row < a.vocab_size ? base + bias : -INFINITY;
-            const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-            best[i] = key > best[i] ? key : best[i];
+            l[h] = (h ? row_b : row_a) < a.vocab_size ? base + bias : -INFINITY;
           }
+          const bool pick_b = !(l[1] <= l[0]) && l[0] == l[0];
+          const unsigned long long key = PackArgmaxKey(pick_b ? l[1] : l[0], uint32_t(pick_b ? row_b : row_a));
+          best[i] = key > best[i] ? key : best[i];
         }
       };
       // Sampled rows whose noise is in shared memory (the fill or the stage), and greedy rows with
