@@ -23,8 +23,9 @@
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
 //   own and one warp per request waits for all of them to be non-zero and takes their maximum: the
 //   keys are the barrier, one L2 round trip. Larger batches publish one atomicMax per request, then
-//   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots; the last
-//   CTA to leave zeroes slots and counters, so the next call starts clean.
+//   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots, and the
+//   next call starts clean: direct slots are cleared as they go out of use (CTA 0 clears the last
+//   two steps'), the atomic keys and counters by the last CTA to leave.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
 //   noise for the CTA's rows into shared memory before scoring, on the warps that do not fetch the
 //   grid's choice (FillNoise). Batches of 9 or more requests have all of it computed before the walk
@@ -377,8 +378,8 @@ __device__ __forceinline__ void WaitForArrivals(const WalkArgs& a, int k, int ti
 }
 
 // Words [0, n) set to 0 by the CTA's `threads` threads. (Written as an index from `first` in the
-// kernel's tail, the loop changed ptxas's allocation of the tile loop: 48 bytes spilled there at one
-// request; NOTES, Session 42.)
+// kernel's tail, the loop changed ptxas's allocation of the one-request kernel: 52 bytes of spills,
+// reloaded in the tile loop; NOTES, Session 42.)
 __device__ __forceinline__ void ClearWords(unsigned long long* words, int n, int tid, int threads) {
   for (int i = tid; i < n; i += threads) words[i] = 0;
 }

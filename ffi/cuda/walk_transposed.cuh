@@ -557,8 +557,9 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
     Stamp(a, k, 5);
   }
 
-  // The last CTA out leaves the workspace zeroed for the next call on this stream, as MarkovWalkKernel
-  // does (written out there: as a shared function it changed MarkovWalkKernel's register allocation).
+  // The last CTA out leaves the workspace zeroed for the next call on this stream, as MarkovWalkKernel's
+  // atomic exchange does (written out there: as a shared function it changed MarkovWalkKernel's
+  // register allocation).
   CpAsyncWaitPending(0);  // no copy in flight when the CTA exits
   __syncthreads();
   if (tid == 0) {
