@@ -119,6 +119,8 @@ struct WalkArgs {
   const float* noise;
   // 1: logits go out through a per-warp shared-memory buffer (stmatrix), 8 rows of a request a store.
   int logits_staged;
+  // 1: V % 8 == 0 and base logits 16-byte aligned, so that 8 rows of 16-bit base logits are one load.
+  int base_aligned;
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
@@ -825,6 +827,46 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
   }
 }
 
+// A 16-bit-base kernel's (BASE_PIECES) share of lane l in a tile's base logits: rows row0 + 8 (l >> 4)
+// .. + 7 of request min(l & 15, B - 1) (`line`: its BaseLine), one 16-byte load where a.base_aligned
+// (a piece past V reads the last piece before V instead: V % 8 == 0, so a piece lies wholly before
+// or past V, and rows past V are never used), else 8 loads at clamped rows.
+__device__ __forceinline__ uint4 LoadBasePiece(const WalkArgs& a, uint32_t line, int row0, int lane) {
+  const int row = row0 + 8 * (lane >> 4);
+  const unsigned short* p = static_cast<const unsigned short*>(a.base) + line;
+  if (a.base_aligned) return __ldcs(reinterpret_cast<const uint4*>(p + min(row, a.vocab - 8)));
+  uint32_t h[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) h[e] = __ldcs(p + min(row + e, a.vocab - 1));
+  return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+}
+
+// The warp's pieces (LoadBasePiece) as LoadBaseBits' ba and bb of the 2-n-tile kernel's 4 slots,
+// through the warp's 512-byte `stage`: lane l stores its piece at 16 l, so that piece 16 h + 8 nt + j
+// is request 8 nt + j's rows 8 h .. 8 h + 7, and ldmatrix.trans reads matrix 2 nt + h (rows: those 8
+// pieces) into the accumulators' layout: lane (g, t) gets row 8 h + g of requests 8 nt + 2t (low
+// half) and 8 nt + 2t + 1 (high half), slots 2 nt and 2 nt + 1.
+__device__ __forceinline__ void UnpackBasePieces(unsigned char* stage, uint4 piece, int lane, uint32_t (&ba)[4], uint32_t (&bb)[4]) {
+  __syncwarp();  // the warp's ldmatrix of the tile before has read the stage
+  reinterpret_cast<uint4*>(stage)[lane] = piece;
+  __syncwarp();
+  const int m = lane >> 3;
+  const uint32_t addr = SharedAddress(stage) + 16 * (16 * (m & 1) + 8 * (m >> 1) + (lane & 7));
+  uint32_t r[4];
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    ba[2 * nt] = r[2 * nt] & 0xffffu;
+    ba[2 * nt + 1] = r[2 * nt] >> 16;
+    bb[2 * nt] = r[2 * nt + 1] & 0xffffu;
+    bb[2 * nt + 1] = r[2 * nt + 1] >> 16;
+  }
+}
+constexpr int kBaseStageBytes = 512;  // a warp's, BASE_PIECES
+
 // Shared-memory layout: B fragments, per-request state, the CTA's W2 scales, the staged base
 // logits and the Gumbel noise (small batches), then the resident W2 tiles.
 template <int NT, bool PAIRS = false>
@@ -868,13 +910,14 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false, bool BASE_PIECES = false>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(FORM == kAnyForm || DIGITS, "only the digit kernel has instances for the known launch forms");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
+  static_assert(!BASE_PIECES || (NT == 2 && !SPLIT && !DIGITS && !PAIRS && !STAGED), "base pieces: 16 requests' columns, base in global memory");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
@@ -950,7 +993,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   const bool f32_out = StagesLogits(NT, SPLIT, DIGITS, true) && a.logits_dtype == kF32;
   const int out_stage_bytes = Smem<NT, PAIRS>::OutStageBytes(f32_out);  // a warp's
   unsigned char* out_stage = reinterpret_cast<unsigned char*>(noise_stage + (noise_pass ? kWarps * Smem<NT, PAIRS>::NoiseStageFloats(a.batch) : 0));
-  unsigned char* resident = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
+  // BASE_PIECES: [kWarps][kBaseStageBytes], each warp's tile of 16-bit base logits (UnpackBasePieces).
+  unsigned char* base_stage = out_stage + (staged_out ? kWarps * out_stage_bytes : 0);
+  unsigned char* resident = base_stage + (BASE_PIECES ? kWarps * kBaseStageBytes : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -1222,7 +1267,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
     uint32_t base_a[kSlots], base_b[kSlots];
-    if (kBaseAhead && tiles.total() > 0) LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
+    // BASE_PIECES: this lane's piece of the tile's base logits, and of the next tile's.
+    const uint32_t piece_line = BASE_PIECES ? uint32_t(min(lane & 15, batch - 1) * steps + k) * uint32_t(vocab) : 0;
+    uint4 piece, next_piece;
+    if (kBaseAhead && tiles.total() > 0) {
+      if constexpr (BASE_PIECES) {
+        piece = LoadBasePiece(a, piece_line, RowOf(next_tile), lane);
+      } else {
+        LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
+      }
+    }
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
@@ -1242,7 +1296,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
           next_tile = next_streamed ? tiles.Streamed(order, is) : tiles.Local(false, im);
-          if (kBaseAhead) {
+          if constexpr (BASE_PIECES) {
+            next_piece = LoadBasePiece(a, piece_line, RowOf(next_tile), lane);
+          } else if (kBaseAhead) {
             LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, next_a, next_b);
           }
           if (noise_pass) StageNoise(k, RowOf(next_tile), (noise_tiles + 1) & 1);
@@ -1382,6 +1438,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       }
       if (streamed && is < tiles.n_streamed) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(order, is)), g, t, pre);
       if (!active) continue;
+      if constexpr (BASE_PIECES) UnpackBasePieces(base_stage + warp * kBaseStageBytes, piece, lane, base_a, base_b);
 
       const float scale_a = scales[j * kTileRows + g], scale_b = scales[j * kTileRows + g + 8];
       // This tile's staged noise: [B][16] floats.
@@ -1568,7 +1625,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // measured 8 % faster at 8 requests but up to 7 % slower in the bf16 head and 1 % in the digit
       // kernel, where ptxas schedules the rest worse (NOTES, Session 39).
       constexpr bool kGuardedCopy = W2 == kW2Int8 && !DIGITS;
-      if (kBaseAhead && (!kGuardedCopy || n + 1 < tiles.total())) {
+      if constexpr (BASE_PIECES) {
+        if (!kGuardedCopy || n + 1 < tiles.total()) piece = next_piece;
+      } else if (kBaseAhead && (!kGuardedCopy || n + 1 < tiles.total())) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           base_a[i] = next_a[i];
@@ -1708,6 +1767,14 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   if constexpr (NT <= 2) {
     if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kAnyForm, PAIRS>;
   }
+  // 9-16 requests of one column each, base logits in 16 bits and not staged: a tile's base logits
+  // arrive in one 16-byte piece a lane (BASE_PIECES), not 8 loads of 2 bytes.
+  constexpr bool kPieces = NT == 2 && !SPLIT && !DIGITS && !PAIRS;
+  const bool pieces = kPieces && !stage && args.base_dtype != kF32;
+  if constexpr (kPieces) {
+    if (pieces) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kAnyForm, PAIRS, true>;
+  }
+  args.base_aligned = args.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(args.base) % 16 == 0;
   // The digit kernel's instances for the known launch forms (LaunchForm).
   if constexpr (DIGITS) {
     const bool logits_form = args.base_dtype == kBF16 && args.logits != nullptr && (!args.sampling || args.noise_ahead);
@@ -1737,7 +1804,8 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
                        args.vocab % 8 == 0;
   const int out_stage_bytes = args.logits_staged ? kThreads / 32 * Smem<NT, PAIRS>::OutStageBytes(args.logits_dtype == kF32) : 0;
   const int fixed = Smem<NT, PAIRS>::kFixedBytes + rows_per_cta * int(sizeof(float)) + (stage ? stage_bytes : 0) +
-                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes;
+                    (args.noise_ahead ? noise_bytes : 0) + noise_stage_bytes + out_stage_bytes +
+                    (pieces ? kThreads / 32 * kBaseStageBytes : 0);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTileBytes);
   if (args.resident_tiles < 0) return Invalid("not enough shared memory per block");
   const int smem = fixed + args.resident_tiles * kTileBytes;
