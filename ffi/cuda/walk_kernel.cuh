@@ -921,7 +921,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kGroupNoise = kWgmma;
   constexpr int kNoiseGroup = kGroupNoise ? 2 : 1;
   constexpr int kBatch = W2 == kW2Int8 ? 8 : 4;
-  constexpr int kChains = NT == 1 ? 2 : 1;
+  constexpr int kChains = NT <= 2 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* frag = reinterpret_cast<uint32_t*>(smem);
   int8_t* digits = reinterpret_cast<int8_t*>(smem);  // DIGITS: [8 columns][256] int8 instead
