@@ -911,10 +911,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // wgmma's waits cost more than its shared B reads save) score warp by warp with mma.sync, in
   // kChains independent accumulator chains per n-tile.
   constexpr bool kWgmma = !DIGITS && !PAIRS && NT >= 4;
+  // Whether step 0 paces its W2 flood: the int8 -> fp16 mma.sync kernels, whose resident tiles stay
+  // in row order, issue no W2 load until e is built (a load issued after the flood lands after all
+  // of it: the W1 rows and the scales go first), then land each resident tile in the tile loop as they
+  // score, kLoadAhead tiles ahead, so that step 0's scoring overlaps its HBM reads.
+  constexpr bool kPacedStep0 = !kFragmentOrder && !kWgmma;
   // Whether step 0 loads and arranges the resident tiles in the tile loop, as it scores them, rather
-  // than before it: only in the wgmma kernels of 16-bit W2, where the arranging pass's 16 chunks a
-  // lane made ptxas spill in the tile loop (48 -> 116 bytes).
-  constexpr bool kStep0InLoop = kWgmma && W2 != kW2Int8;
+  // than before it: the paced kernels, and the wgmma kernels of 16-bit W2, where the arranging pass's
+  // 16 chunks a lane made ptxas spill in the tile loop (48 -> 116 bytes).
+  constexpr bool kStep0InLoop = kPacedStep0 || (kWgmma && W2 != kW2Int8);
   // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
   // Philox chains) before their branches; the others compute it row by row in the branches (where
   // their 128 registers a thread allow no more).
@@ -989,10 +994,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       pos[b] = static_cast<uint32_t>(a.position[b]);
     }
   }
-  // Everything that does not depend on the walk starts moving now: step 0's base logits, then the
-  // first kLoadAhead of this warp's resident tiles (one cp.async group per tile, in scoring order,
-  // each lane copying the chunks it will read itself; step 0 issues the rest kLoadAhead tiles ahead
-  // of its scoring, so that scoring overlaps the load), then its first streamed tile into registers.
+  // Everything that does not depend on the walk starts moving now: step 0's base logits, then (paced
+  // kernels: once e is built) the first kLoadAhead of this warp's resident tiles (one cp.async group
+  // per tile, in scoring order, each lane copying the chunks it will read itself; step 0 issues the
+  // rest kLoadAhead tiles ahead, see LandResident) and its first streamed tile into registers.
   const auto LoadResident = [&](int i) {
     const int j = tiles.Local(false, i), row0 = RowOf(j);
     uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * kTileBytes) + lane;
@@ -1005,11 +1010,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   };
   if (STAGED && my_tiles > 0) StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, 0);
   if (!STAGED && my_tiles > 0) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, 0);
-  for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   uint4 pre[kChunks];
-  if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+  const auto LoadFirstStreamed = [&] {
+    if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
+  };
+  // Paced: the step's first tile (the streamed one, where the warp has any) first.
+  const auto LoadStep0Tiles = [&] {
+    if (kPacedStep0) LoadFirstStreamed();
+    for (int i = 0; i < min(kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
+    if (!kPacedStep0) LoadFirstStreamed();
+  };
+  if (!kPacedStep0) LoadStep0Tiles();
   // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
-  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
+  // stores them; paced kernels load them before any tile). A float W2 has no scales: 1 leaves its dot products as they are.
   for (int i = tid; i < stage_rows; i += THREADS) {
     scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
   }
@@ -1148,6 +1161,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       Stamp(a, k, 3);
       break;
     }
+    if (kPacedStep0 && k == 0) LoadStep0Tiles();
     // Step k's noise. The direct exchange's gathering warps (warp b fetches request b's choice)
     // start a chain of L2 round trips (the keys, then the W1 row); the warps past them fill the
     // noise meanwhile, where they are most of the CTA. Otherwise (step 0, larger batches) every warp
@@ -1193,8 +1207,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // ahead is issued, then (where the MMA takes tile words as operands) its chunks stored back in
     // fragment order (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes
     // its words from anywhere, so that path keeps its resident tiles in row order). Before the tile
-    // loop, not in it: the loop's step-0 branches cost every later step 7 % of its score phase at one
-    // request (v78's timeline, benchmarks/NOTES.md Session 32).
+    // loop where not kStep0InLoop: the loop's step-0 branches cost every later step 7 % of its score
+    // phase at one request (v78's timeline, benchmarks/NOTES.md Session 32).
     const auto LandResident = [&](int i) {
       // Groups committed after tile i's: the tiles up to i + kLoadAhead.
       if (i + kLoadAhead < tiles.n_resident) LoadResident(i + kLoadAhead);
