@@ -915,7 +915,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // in row order, issue no W2 load until e is built (a load issued after the flood lands after all
   // of it: the W1 rows and the scales go first), then land each resident tile in the tile loop as they
   // score, kLoadAhead tiles ahead, so that step 0's scoring overlaps its HBM reads.
-  constexpr bool kPacedStep0 = (!kFragmentOrder || DIGITS) && !kWgmma;
+  constexpr bool kPacedStep0 = (!kFragmentOrder || (DIGITS && FORM != kAnyForm)) && !kWgmma;
   // Whether step 0 loads and arranges the resident tiles in the tile loop, as it scores them, rather
   // than before it: the paced kernels, and the wgmma kernels of 16-bit W2, where the arranging pass's
   // 16 chunks a lane made ptxas spill in the tile loop (48 -> 116 bytes).
