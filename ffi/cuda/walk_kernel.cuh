@@ -897,9 +897,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
-  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
-  // latency.
-  constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
@@ -920,6 +917,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // than before it: the paced kernels, and the wgmma kernels of 16-bit W2, where the arranging pass's
   // 16 chunks a lane made ptxas spill in the tile loop (48 -> 116 bytes).
   constexpr bool kStep0InLoop = kPacedStep0 || (kWgmma && W2 != kW2Int8);
+  // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
+  // latency. Paced: one (a warp that issues more waits at the issue until the SM's loads in flight
+  // drain: v114d's step 0, benchmarks/NOTES.md Session 44).
+  constexpr int kLoadAhead = kPacedStep0 ? 1 : 2;
   // The wgmma kernels' general epilogue computes the noise of kNoiseGroup slots (2 x kNoiseGroup
   // Philox chains) before their branches; the others compute it row by row in the branches (where
   // their 128 registers a thread allow no more).
