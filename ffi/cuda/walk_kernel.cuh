@@ -576,11 +576,29 @@ __device__ __forceinline__ void BuildDigitPairs(const WalkArgs& a, int b, int k,
   }
 }
 
+// Batches of 9-16 requests walked greedily with no logits out (EREGS) take the same two digits the
+// other way round: as the A operand of m16n8k32, with W2's tile words as B (n-tile 0: rows 0-7 of the
+// tile, n-tile 1: rows 8-15), so that no k-step reads e from shared memory and W2 is not converted.
+// M-tile m, row r is digit r / 8 of request 8 m + r % 8; each warp holds both M-tiles' A fragments of
+// all 8 k-steps (16 x 16 bytes a lane) for the whole step. Lane (g, t)'s fragment of k-step j is 16
+// bytes at [2 m][8 j][32 lanes], {digit 0, digit 1} of request 8 m + g at k = 64 (j / 2) + 16 t +
+// 8 (j % 2) + 0..3, then the same at + 4..7: FragmentChunk's k order, as in BuildDigitPairs.
+__device__ __forceinline__ void BuildDigitPairOperands(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                                       uint32_t* frag, float* unscale) {
+  uint32_t words[2][2] = {};
+  RowDigitWords(a, b, k, lane, raw, 14, unscale, words);
+  const int j = 2 * (lane >> 3) + (lane & 1), t = (lane >> 1) & 3;
+  reinterpret_cast<uint4*>(frag)[((b / 8) * 8 + j) * 32 + 4 * (b % 8) + t] =
+      make_uint4(words[0][0], words[1][0], words[0][1], words[1][1]);
+}
+
 // Request finished by slot i of thread-in-group t: with SPLIT, n-tile i holds (hi, lo) columns of
 // request 4i + t; otherwise n-tile i / 2 holds requests 8(i / 2) + 2t and 8(i / 2) + 2t + 1.
 // With DIGITS (B <= 2), lane t = 0 finishes request 0 and t = 2 request 1; t = 1, 3 own none.
-template <bool SPLIT, bool DIGITS = false>
-__device__ __forceinline__ int SlotRequest(int i, int t) {
+// With EREGS (e as the A operand, BuildDigitPairOperands), slot i of group g holds request 8i + g.
+template <bool SPLIT, bool DIGITS = false, bool EREGS = false>
+__device__ __forceinline__ int SlotRequest(int i, int t, int g = 0) {
+  if (EREGS) return 8 * i + g;
   if (DIGITS) return t == 0 ? 0 : (t == 2 ? 1 : kMaxBatch);
   return SPLIT ? i * 4 + t : (i / 2) * 8 + 2 * t + (i % 2);
 }
@@ -794,9 +812,9 @@ __global__ void __launch_bounds__(kNoiseThreads) MarkovWalkNoise(const WalkArgs 
 // ([B, K, V]: Launch keeps B K V below 2^32), or STAGED into `staged` ([B][stage_rows], less
 // first_row, so that adding a row of this CTA gives its index). Requests past the batch read the last
 // one's. Computed once a step, so that a tile's loads add only their rows.
-template <bool SPLIT, bool DIGITS, bool STAGED>
-__device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, int first_row, int k, int i, int t) {
-  const int rq = min(SlotRequest<SPLIT, DIGITS>(i, t), a.batch - 1);
+template <bool SPLIT, bool DIGITS, bool STAGED, bool EREGS>
+__device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, int first_row, int k, int i, int t, int g) {
+  const int rq = min(SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g), a.batch - 1);
   return STAGED ? uint32_t(rq * stage_rows - first_row) : uint32_t(rq * a.steps + k) * uint32_t(a.vocab);
 }
 
@@ -822,6 +840,23 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
       ba[i] = STAGED ? p[line[i] + ra] : __ldcs(p + (line[i] + ra));
       bb[i] = STAGED ? p[line[i] + rb] : __ldcs(p + (line[i] + rb));
     }
+  }
+}
+
+// The EREGS form of LoadBaseBits, for bf16 base logits and an even V (Launch): lane (g, t) combines
+// rows row0 + 2t, 2t + 1 (ba) and row0 + 8 + 2t, 8 + 2t + 1 (bb) of each request it owns, one 32-bit
+// load a pair.
+template <int kSlots, bool STAGED>
+__device__ __forceinline__ void LoadBasePairs(const WalkArgs& a, const unsigned char* staged, const uint32_t (&line)[kSlots],
+                                              int row0, int t, uint32_t (&ba)[kSlots], uint32_t (&bb)[kSlots]) {
+  const uint32_t ra = min(row0 + 2 * t, a.vocab - 2), rb = min(row0 + 8 + 2 * t, a.vocab - 2);
+  const unsigned short* p = static_cast<const unsigned short*>(STAGED ? static_cast<const void*>(staged) : a.base);
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    const unsigned int* pa = reinterpret_cast<const unsigned int*>(p + (line[i] + ra));
+    const unsigned int* pb = reinterpret_cast<const unsigned int*>(p + (line[i] + rb));
+    ba[i] = STAGED ? *pa : __ldcs(pa);
+    bb[i] = STAGED ? *pb : __ldcs(pb);
   }
 }
 
@@ -868,17 +903,19 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
-template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false>
+template <int NT, bool SPLIT, bool DIGITS, int W2, int THREADS, bool STAGED, int FORM, bool PAIRS = false, bool EREGS = false>
 __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
-  static_assert(FORM == kAnyForm || DIGITS, "only the digit kernel has instances for the known launch forms");
+  static_assert(FORM == kAnyForm || DIGITS || EREGS, "only the digit kernel has instances for the known launch forms");
+  static_assert(!EREGS || (NT == 2 && !SPLIT && !DIGITS && !PAIRS && W2 == kW2Int8 && FORM == kPlainForm),
+                "e as the A operand: 9-16 requests' digit pairs, int8 W2, greedy with no logits out");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
   constexpr int kWarps = THREADS / 32;
   constexpr int kChunks = TileChunks(W2);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
-  constexpr int kSlots = DIGITS ? 1 : (SPLIT ? NT : 2 * NT);  // requests a thread owns per row
+  constexpr int kSlots = EREGS ? 2 : (DIGITS ? 1 : (SPLIT ? NT : 2 * NT));  // requests a thread owns per row
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
@@ -893,7 +930,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr bool kStagedOut = StagesLogits(NT, SPLIT, DIGITS, false);
   // Whether this kernel reads MarkovWalkNoise's pass (a tile's noise staged at a time) where a launch
   // gives one; where it does not, sampled rows read the fill's noise ahead or compute their own.
-  constexpr bool kNoisePass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED;
+  constexpr bool kNoisePass = ReadsNoisePass(NT, SPLIT, DIGITS) && !STAGED && !EREGS;
   // Batches that may take the direct exchange fill step k's noise while its choice is fetched (see
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
@@ -901,7 +938,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // latency.
   constexpr int kLoadAhead = 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
-  constexpr bool kFragmentOrder = DIGITS || PAIRS || W2 != kW2Int8;
+  constexpr bool kFragmentOrder = DIGITS || PAIRS || EREGS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
   // (WarpTiles::Streamed). The digit kernel's instance for any launch spills registers with it, and
   // the int8 -> fp16 kernels, whose scoring is bound by the conversion, gain nothing (NOTES, Session 30).
@@ -1136,7 +1173,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if constexpr (DIGITS) {
           BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
         } else {
-          if constexpr (PAIRS) {
+          if constexpr (EREGS) {
+            BuildDigitPairOperands(a, b, k, lane, w1_raw[u], frag, unscale);
+          } else if constexpr (PAIRS) {
             BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
           } else {
             BuildFragments<NT, SPLIT, W2, kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
@@ -1171,6 +1210,14 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
       for (int q = 0; q < 4; ++q) digit_frag[q] = reinterpret_cast<const uint4*>(digits + g * kRank + 64 * q)[t];
     }
+    uint4 e_operands[EREGS ? 2 : 1][EREGS ? 8 : 1];  // EREGS: lane (g, t)'s A fragments (BuildDigitPairOperands)
+    if constexpr (EREGS) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int s = 0; s < 8; ++s) e_operands[m][s] = reinterpret_cast<const uint4*>(frag)[(m * 8 + s) * 32 + lane];
+      }
+    }
     unsigned long long best[kSlots];
     // Each owned request's power-of-two unscale times logit_scale, for the whole step: the bias
     // (scale * dot) * this, fused into the add of the base logit, rounds exactly as
@@ -1178,12 +1225,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
     // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
     // that spill store waited for their global load (8 % of the B = 16 greedy samples).
-    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS && !EREGS;
     float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       best[i] = 0;
-      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g), batch - 1)] * a.logit_scale;
     }
     const auto UnscaleOf = [&](int i) {
       if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
@@ -1220,9 +1267,16 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     int next_tile = next_streamed ? tiles.Streamed(order, 0) : tiles.Local(false, 0);
     uint32_t line[kSlots];
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED>(a, stage_rows, first_row, k, i, t);
+    for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED, EREGS>(a, stage_rows, first_row, k, i, t, g);
     uint32_t base_a[kSlots], base_b[kSlots];
-    if (kBaseAhead && tiles.total() > 0) LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, base_a, base_b);
+    const auto LoadBase = [&](int row0, uint32_t (&ba)[kSlots], uint32_t (&bb)[kSlots]) {
+      if constexpr (EREGS) {
+        LoadBasePairs<kSlots, STAGED>(a, staged, line, row0, t, ba, bb);
+      } else {
+        LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, ba, bb);
+      }
+    };
+    if (kBaseAhead && tiles.total() > 0) LoadBase(RowOf(next_tile), base_a, base_b);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
@@ -1238,12 +1292,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           if (kStep0InLoop && k == 0) LandResident(im);
           ++im;
         }
-        if (!kBaseAhead) LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, base_a, base_b);
+        if (!kBaseAhead) LoadBase(row0, base_a, base_b);
         if (n + 1 < tiles.total()) {
           next_streamed = streamed_slot == n + 1;
           next_tile = next_streamed ? tiles.Streamed(order, is) : tiles.Local(false, im);
           if (kBaseAhead) {
-            LoadBaseBits<kSlots, STAGED>(a, staged, line, RowOf(next_tile), g, next_a, next_b);
+            LoadBase(RowOf(next_tile), next_a, next_b);
           }
           if (noise_pass) StageNoise(k, RowOf(next_tile), (noise_tiles + 1) & 1);
         }
@@ -1285,7 +1339,38 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           return FragmentChunk<W2>(chunks, s, rows_order);
         }
       };
-      if constexpr (!kWgmma) {
+      // EREGS: dot products of requests 8m + g with rows 8h + 2t + c of the tile (e_dots[m][h][c]).
+      // Each k-step's fragment words, from the prefetch registers of a streamed tile or one 16-byte
+      // load of a resident one (fragment order), are the B operand of both n-tiles.
+      float e_dots[EREGS ? 2 : 1][2][2];
+      const auto PairOperandDots = [&](const auto& step_words) {
+        int acc[2][2][4] = {};
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const uint4 q = step_words(s);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            const uint4 e = e_operands[m][s];
+            Imma16832(acc[m][0], e.x, e.y, e.z, e.w, q.x, q.z);
+            Imma16832(acc[m][1], e.x, e.y, e.z, e.w, q.y, q.w);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) e_dots[m][h][c] = DigitPairToFloat(acc[m][h][c], acc[m][h][2 + c]);
+          }
+        }
+      };
+      if constexpr (EREGS) {
+        if (streamed) {
+          PairOperandDots([&](int s) { return FragmentChunk<W2>(pre, s, true); });
+        } else {
+          PairOperandDots([&](int s) { return active ? slot[s * 32] : make_uint4(0, 0, 0, 0); });
+        }
+      } else if constexpr (!kWgmma) {
         const auto TileDots = [&](bool rows_order, const uint4 (&chunks)[kChunks]) {
           if constexpr (DIGITS) {
             int acc[2][4] = {};
@@ -1531,7 +1616,29 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      if constexpr (FORM == kPlainForm) {
+      // EREGS's PlainEpilogue: bf16 base logits (Launch), rows 8h + 2t + c of slot i's request.
+      const auto PairOperandEpilogue = [&]() {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float2 scale = *reinterpret_cast<const float2*>(scales + j * kTileRows + 8 * h + 2 * t);
+#pragma unroll
+          for (int i = 0; i < kSlots; ++i) {
+            const uint32_t bits = h ? base_b[i] : base_a[i];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int row = row0 + 8 * h + 2 * t + c;
+              const float bias = ((c ? scale.y : scale.x) * e_dots[EREGS ? i : 0][h][c]) * UnscaleOf(i);
+              const float base = BaseToFloat<kBF16>(c ? bits >> 16 : bits);
+              const float l = row < a.vocab_size ? base + bias : -INFINITY;
+              const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+              best[i] = key > best[i] ? key : best[i];
+            }
+          }
+        }
+      };
+      if constexpr (EREGS) {
+        PairOperandEpilogue();
+      } else if constexpr (FORM == kPlainForm) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (LogitsForm(FORM)) {
         NoiseFreeEpilogue(std::integral_constant<int, FormLogits(FORM)>(), std::true_type());
@@ -1583,7 +1690,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
 #pragma unroll
-      for (int m = 4; m < 32; m <<= 1) {
+      for (int m = EREGS ? 1 : 4; m < (EREGS ? 4 : 32); m <<= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
         best[i] = other > best[i] ? other : best[i];
       }
@@ -1591,8 +1698,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
         best[i] = other > best[i] ? other : best[i];
       }
-      const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
-      if (g == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+      const int rq = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
+      if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
     }
     __syncthreads();
     Stamp(a, k, 4);
@@ -1681,12 +1788,13 @@ inline bool NoiseFitsAhead(int batch, int rows_per_cta) {
 // One launch of up to kMaxBatch columns. A sampled batch whose noise does not fit ahead, given
 // `noise_buffer` (room for [K, ceil(V / 16), batch, 16] floats), has its noise computed there first by
 // MarkovWalkNoise, on the same stream.
-template <int NT, bool SPLIT, bool DIGITS, int W2, bool PAIRS = false>
+template <int NT, bool SPLIT, bool DIGITS, int W2, bool PAIRS = false, bool EREGS = false>
 ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props, WalkArgs args, float* noise_buffer) {
   // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
-  constexpr int kThreads = NT <= 2 && W2 == kW2Int8 ? 512 : 256;
+  // EREGS holds e's 64 operand registers a lane beside a streamed tile's 32: 12 warps (168 registers).
+  constexpr int kThreads = EREGS ? 384 : (NT <= 2 && W2 == kW2Int8 ? 512 : 256);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
@@ -1704,9 +1812,11 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   const bool stage = NT <= 2 && (size_t(args.vocab) * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
   const int noise_bytes = args.batch * rows_per_cta * int(sizeof(float));
   args.noise_ahead = args.sampling && NoiseFitsAhead(args.batch, rows_per_cta);
-  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kAnyForm, PAIRS>;
+  // EREGS has only the plain form (LaunchForColumns picks it for such launches alone).
+  constexpr int kForm = EREGS ? kPlainForm : kAnyForm;
+  auto kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, false, kForm, PAIRS, EREGS>;
   if constexpr (NT <= 2) {
-    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kAnyForm, PAIRS>;
+    if (stage) kernel = MarkovWalkKernel<NT, SPLIT, DIGITS, W2, kThreads, true, kForm, PAIRS, EREGS>;
   }
   // The digit kernel's instances for the known launch forms (LaunchForm).
   if constexpr (DIGITS) {

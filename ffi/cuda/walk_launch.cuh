@@ -48,6 +48,12 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
       if (args.batch <= 4) return Launch<1, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
       return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
     }
+    // 9-16 requests walked greedily with no logits out, bf16 base logits and an even V (32-bit loads of
+    // row pairs): the same digit pairs as e's A operand, in registers (EREGS, BuildDigitPairOperands).
+    if (args.batch > 8 && args.batch <= kDirectBatch && !args.sampling && args.logits == nullptr && args.base_dtype == kBF16 &&
+        args.vocab % 2 == 0) {
+      return Launch<2, false, false, kW2Int8, false, true>(stream, device, props, args, noise_buffer);
+    }
   }
   if (split) {
     if (columns <= 8) return Launch<1, true, false, W2>(stream, device, props, args, noise_buffer);
