@@ -1794,7 +1794,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
   // EREGS holds e's 64 operand registers a lane beside a streamed tile's 32: 12 warps (168 registers).
-  constexpr int kThreads = EREGS ? 384 : (NT <= 2 && W2 == kW2Int8 ? 512 : 256);
+  constexpr int kThreads = EREGS ? 256 : (NT <= 2 && W2 == kW2Int8 ? 512 : 256);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
     return Invalid("B x K x V of one launch must stay below 2^32 (base logits are addressed in 32 bits)");
