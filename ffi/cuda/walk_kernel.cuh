@@ -935,8 +935,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
   // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
-  // latency.
-  constexpr int kLoadAhead = 2;
+  // latency, and EREGS's 8 warps x 4.
+  constexpr int kLoadAhead = EREGS ? 4 : 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || EREGS || W2 != kW2Int8;
   // Whether a warp keeps its last streamed tile of a step in its prefetch registers for the next
@@ -1793,7 +1793,8 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
-  // EREGS holds e's 64 operand registers a lane beside a streamed tile's 32: 12 warps (168 registers).
+  // EREGS holds e's 64 operand registers a lane beside a streamed tile's 32: 8 warps (218 registers;
+  // at 12 warps, 168 registers, ptxas spills in the tile loop and the walk is 9 % slower: NOTES, Session 45).
   constexpr int kThreads = EREGS ? 256 : (NT <= 2 && W2 == kW2Int8 ? 512 : 256);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {
