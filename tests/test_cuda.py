@@ -168,6 +168,23 @@ def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
+# 9-16 greedy requests with no logits out, bf16 base logits and an even V score on e's int8 digit pairs as
+# the A operand (EREGS; check_parity's walk without logits): every W1 dtype (tokens only), V = 30010 (the
+# staged base logits, a last tile half outside V) and 100002 (not staged, tiles streamed), padding past
+# vocab_size, d2t and logit_scale. With logits out the same inputs take the fp16 columns.
+@pytest.mark.parametrize("batch,vocab,w1_dtype,extras", [(9, 30010, jnp.bfloat16, False), (13, 100002, jnp.float32, False),
+                                                         (16, 30010, jnp.float16, True), (16, 100002, jnp.bfloat16, True)])
+def test_parity_e_operands(check_parity, batch, vocab, w1_dtype, extras):
+    rng = np.random.default_rng(batch + vocab)
+    v_target = vocab + 3000 if extras else vocab
+    base, anchor, head, kw = make_case(rng, batch, 5, vocab, v_target=v_target, w1_dtype=w1_dtype)
+    walk_kw = {}
+    if extras:
+        d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
+        walk_kw = dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
+    check_parity(base, anchor, head, kw, **walk_kw)
+
+
 # The unquantized walk: fp16 W2 scores with fp16 MMAs, bf16 W2 with bf16 MMAs (fp16 and fp32 W1 in
 # hi + lo columns), every W1 dtype, batches across the n-tile widths and beyond one launch.
 @pytest.mark.parametrize("w2_dtype", [jnp.bfloat16, jnp.float16])
@@ -275,9 +292,11 @@ def test_padding_d2t_logit_scale(check_parity, batch):
 
 
 # Batch 4 scores with mma.sync, greedy walks without logits in the branch-free epilogue, with logits in
-# the general epilogue; 24 and 40 take the transposed kernel (packed at 24, not at 40), its plain
-# epilogue without logits and its GENERAL one with them.
-@pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (24, jnp.bfloat16), (24, jnp.float16), (40, jnp.float32)])
+# the general epilogue; 16 with bf16 base logits and no logits out on e's digit pairs as the A operand
+# (EREGS); 24 and 40 take the transposed kernel (packed at 24, not at 40), its plain epilogue without
+# logits and its GENERAL one with them.
+@pytest.mark.parametrize("batch,base_dtype", [(4, jnp.float32), (16, jnp.bfloat16), (24, jnp.bfloat16), (24, jnp.float16),
+                                              (40, jnp.float32)])
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_exact_ties_and_nan(batch, base_dtype, return_logits):
     rng = np.random.default_rng(5)
@@ -309,8 +328,9 @@ def test_exact_ties_and_nan(batch, base_dtype, return_logits):
 # streamed tile for the next step (kKeepsStreamed: the digit kernel's known forms, the digit pairs), odd
 # steps take its streamed tiles in reverse, so rows do not come in increasing order there; steps 1 and 2
 # take both orders. Every kernel that streams: the digit kernel (1-2 requests), the digit pairs (4), the
-# fp16 columns (12), the transposed kernel (24 packed, 40 not).
-@pytest.mark.parametrize("batch", [1, 2, 4, 12, 24, 40])
+# fp16 columns (12 and 16 with logits out), e's digit pairs as the A operand (12 and 16 without, EREGS,
+# which keeps its streamed tile too), the transposed kernel (24 packed, 40 not).
+@pytest.mark.parametrize("batch", [1, 2, 4, 12, 16, 24, 40])
 @pytest.mark.parametrize("return_logits", [False, True])
 def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
     rng = np.random.default_rng(11)
