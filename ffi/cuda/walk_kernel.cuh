@@ -17,7 +17,8 @@
 //   sum, the r index is permuted freely: each thread loads 16 contiguous bytes per chunk and B is
 //   laid out to match. Batches of 1-2 requests with int8 W2 use int8 mma.sync on e's digits
 //   instead (BuildDigits), warp by warp, and so do batches of 3-8 (BuildDigitPairs) whose logits are
-//   not returned or whose W1 is bf16.
+//   not returned or whose W1 is bf16. Greedy batches of 9-16 with no logits out hold e's digit pairs
+//   in registers as the A operand instead, and W2's tile words are B (EREGS, BuildDigitPairOperands).
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
 //   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
@@ -1794,7 +1795,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const DeviceProperties& props
   // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
   // batches hold more registers per lane.
   // EREGS holds e's 64 operand registers a lane beside a streamed tile's 32: 8 warps (218 registers;
-  // at 12 warps, 168 registers, ptxas spills in the tile loop and the walk is 9 % slower: NOTES, Session 45).
+  // at 12 warps, 168 registers, ptxas spills in the tile loop and the walk took 9 % longer: NOTES, Session 45).
   constexpr int kThreads = EREGS ? 256 : (NT <= 2 && W2 == kW2Int8 ? 512 : 256);
   constexpr int kTileBytes = kTileElements * W2Bytes(W2);
   if (size_t(args.batch) * args.steps * args.vocab > 0xffffffffu) {

@@ -43,7 +43,7 @@ ffi::Error LaunchForColumns(bool split, int columns, cudaStream_t stream, int de
     // Walks of 3-8 requests on e's digit pairs (int8 tensor cores, BuildDigitPairs): tokens only, or
     // logits out from a bf16 W1, whose elements the two digits keep but for the smallest ones (as in
     // WalksTransposed). At 9-16, where the pairs' two columns a request take NT = 4, the fp16 path
-    // below is faster (NOTES, Sessions 28 and 29).
+    // below is faster (NOTES, Sessions 28 and 29), but for EREGS's walks.
     if (args.batch <= 8 && (args.logits == nullptr || args.w1_dtype == kBF16)) {
       if (args.batch <= 4) return Launch<1, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
       return Launch<2, true, false, kW2Int8, true>(stream, device, props, args, noise_buffer);
