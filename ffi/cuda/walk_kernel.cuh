@@ -920,7 +920,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
   // cover the latency of fetching them at the start of the tile.
-  constexpr bool kBaseAhead = NT <= 4;
+  constexpr bool kBaseAhead = NT <= 4 && !EREGS;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
@@ -1225,7 +1225,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     // The mma.sync kernels past two requests (128 registers a thread at 16 warps) read it from shared
     // memory as they go: held in registers, it pushed the next tile's base logits to local memory, and
     // that spill store waited for their global load (8 % of the B = 16 greedy samples).
-    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS && !EREGS;
+    constexpr bool kUnscaleFromSmem = !kWgmma && !DIGITS;
     float unscale_of[kUnscaleFromSmem ? 1 : kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
@@ -1233,7 +1233,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       if constexpr (!kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g), batch - 1)] * a.logit_scale;
     }
     const auto UnscaleOf = [&](int i) {
-      if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS>(i, t), batch - 1)] * a.logit_scale;
+      if constexpr (kUnscaleFromSmem) return unscale[min(SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g), batch - 1)] * a.logit_scale;
       else return unscale_of[i];
     };
     // Step 0 lands this warp's resident tiles: tile i's load waited for once the tile kLoadAhead
