@@ -844,7 +844,7 @@ __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned c
   }
 }
 
-// The EREGS form of LoadBaseBits, for bf16 base logits and an even V (Launch): lane (g, t) combines
+// The EREGS form of LoadBaseBits, for bf16 base logits and an even V (LaunchForColumns): lane (g, t) combines
 // rows row0 + 2t, 2t + 1 (ba) and row0 + 8 + 2t, 8 + 2t + 1 (bb) of each request it owns, one 32-bit
 // load a pair.
 template <int kSlots, bool STAGED>
@@ -936,7 +936,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   // FillNoise's call); larger ones before the grid-wide wait, where the fill spills fewer registers.
   constexpr bool kFillWhileGathering = NT <= 2;
   // Resident tiles in flight per warp during step 0: 12 or more warps x 2 x 4 KB per SM cover HBM's
-  // latency, and EREGS's 8 warps x 4.
+  // latency. EREGS's 8 warps keep 4 each (the same 32 KB an SM; measured no slower than 2, NOTES Session 45).
   constexpr int kLoadAhead = EREGS ? 4 : 2;
   // Resident tiles in fragment order where MMA operands are tile words as they stand.
   constexpr bool kFragmentOrder = DIGITS || PAIRS || EREGS || W2 != kW2Int8;
@@ -1485,18 +1485,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
       // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
       // never published.
+      const auto FoldPlain = [&](int i, int row, float base, float bias) {
+        const float l = row < a.vocab_size ? base + bias : -INFINITY;
+        const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+        best[i] = key > best[i] ? key : best[i];
+      };
       const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
           const float unscale_i = UnscaleOf(i);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int row = h ? row_b : row_a;
             const float bias = ((h ? scale_b : scale_a) * (h ? dot_b[i] : dot_a[i])) * unscale_i;
-            const float base = BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]);
-            const float l = row < a.vocab_size ? base + bias : -INFINITY;
-            const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-            best[i] = key > best[i] ? key : best[i];
+            FoldPlain(i, h ? row_b : row_a, BaseToFloat<decltype(base_dtype)::value>(h ? base_b[i] : base_a[i]), bias);
           }
         }
       };
@@ -1627,12 +1628,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const uint32_t bits = h ? base_b[i] : base_a[i];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const int row = row0 + 8 * h + 2 * t + c;
               const float bias = ((c ? scale.y : scale.x) * e_dots[EREGS ? i : 0][h][c]) * UnscaleOf(i);
-              const float base = BaseToFloat<kBF16>(c ? bits >> 16 : bits);
-              const float l = row < a.vocab_size ? base + bias : -INFINITY;
-              const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-              best[i] = key > best[i] ? key : best[i];
+              FoldPlain(i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
             }
           }
         }
