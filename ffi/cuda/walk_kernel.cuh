@@ -1279,6 +1279,38 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     };
     if (kBaseAhead && tiles.total() > 0) LoadBase(RowOf(next_tile), base_a, base_b);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
+    // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows past
+    // vocab_size (rows past V among them) are -inf, so their keys lose to any row below V; the slots
+    // of requests past the batch are never published.
+    const auto FoldPlain = [&](int i, int row, float base, float bias) {
+      const float l = row < a.vocab_size ? base + bias : -INFINITY;
+      const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
+      best[i] = key > best[i] ? key : best[i];
+    };
+    // EREGS scores tile n's MMAs before tile n - 1's epilogue, so that the epilogue's instructions
+    // issue while the tensor cores work: the held tile is the one whose MMAs are done (its local
+    // index, bf16 base logits and accumulators).
+    int held_tile = 0;
+    uint32_t held_a[EREGS ? kSlots : 1], held_b[EREGS ? kSlots : 1];
+    int held_acc[EREGS ? 2 : 1][2][4];
+    // Lane (g, t) folds rows 8h + 2t + c of the held tile for requests 8m + g (slot m).
+    const auto PairOperandEpilogue = [&]() {
+      const int row0 = RowOf(held_tile);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 scale = *reinterpret_cast<const float2*>(scales + held_tile * kTileRows + 8 * h + 2 * t);
+#pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+          const uint32_t bits = h ? held_b[i] : held_a[i];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float dot = DigitPairToFloat(held_acc[EREGS ? i : 0][h][c], held_acc[EREGS ? i : 0][h][2 + c]);
+            const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(i);
+            FoldPlain(i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
+          }
+        }
+      }
+    };
     for (int n = 0; n < loop_tiles; ++n) {
       const bool active = n < tiles.total();
       const int j = next_tile;
@@ -1340,12 +1372,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           return FragmentChunk<W2>(chunks, s, rows_order);
         }
       };
-      // EREGS: dot products of requests 8m + g with rows 8h + 2t + c of the tile (e_dots[m][h][c]).
-      // Each k-step's fragment words, from the prefetch registers of a streamed tile or one 16-byte
-      // load of a resident one (fragment order), are the B operand of both n-tiles.
-      float e_dots[EREGS ? 2 : 1][2][2];
+      // EREGS: the digit dot products of requests 8m + g with rows 8h + 2t + c of the tile (acc[m][h]:
+      // digits 0 at c, 1 at 2 + c). Each k-step's fragment words, from the prefetch registers of a
+      // streamed tile or one 16-byte load of a resident one (fragment order), are the B operand of
+      // both n-tiles.
+      int acc[EREGS ? 2 : 1][2][4] = {};
       const auto PairOperandDots = [&](const auto& step_words) {
-        int acc[2][2][4] = {};
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const uint4 q = step_words(s);
@@ -1354,14 +1386,6 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
             const uint4 e = e_operands[m][s];
             Imma16832(acc[m][0], e.x, e.y, e.z, e.w, q.x, q.z);
             Imma16832(acc[m][1], e.x, e.y, e.z, e.w, q.y, q.w);
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) e_dots[m][h][c] = DigitPairToFloat(acc[m][h][c], acc[m][h][2 + c]);
           }
         }
       };
@@ -1481,15 +1505,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // load a value, not two and a select); in the 16-warp kernels the three registers spill.
       const float* noise_src = noise_pass ? tile_noise : noise;
       const int noise_stride = noise_pass ? kTileRows : stage_rows, noise_offset = noise_pass ? -row0 : -first_row;
-      // Greedy rows and no logits out: l_k and its key, with no branches and no masks, for base
-      // logits of dtype decltype(base_dtype)::value. Rows past vocab_size (rows past V among them)
-      // are -inf, so their keys lose to any row below V; the slots of requests past the batch are
-      // never published.
-      const auto FoldPlain = [&](int i, int row, float base, float bias) {
-        const float l = row < a.vocab_size ? base + bias : -INFINITY;
-        const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-        best[i] = key > best[i] ? key : best[i];
-      };
+      // Greedy rows and no logits out (FoldPlain), for base logits of dtype decltype(base_dtype)::value.
       const auto PlainEpilogue = [&](auto base_dtype) {
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
@@ -1618,24 +1634,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           }
         }
       };
-      // EREGS's PlainEpilogue: bf16 base logits (Launch), rows 8h + 2t + c of slot i's request.
-      const auto PairOperandEpilogue = [&]() {
+      if constexpr (EREGS) {
+        if (n > 0) PairOperandEpilogue();
+        held_tile = j;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float2 scale = *reinterpret_cast<const float2*>(scales + j * kTileRows + 8 * h + 2 * t);
+        for (int i = 0; i < kSlots; ++i) {
+          held_a[i] = base_a[i];
+          held_b[i] = base_b[i];
 #pragma unroll
-          for (int i = 0; i < kSlots; ++i) {
-            const uint32_t bits = h ? base_b[i] : base_a[i];
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const float bias = ((c ? scale.y : scale.x) * e_dots[EREGS ? i : 0][h][c]) * UnscaleOf(i);
-              FoldPlain(i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
-            }
+            for (int e = 0; e < 4; ++e) held_acc[i][h][e] = acc[i][h][e];
           }
         }
-      };
-      if constexpr (EREGS) {
-        PairOperandEpilogue();
       } else if constexpr (FORM == kPlainForm) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (LogitsForm(FORM)) {
@@ -1680,6 +1691,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
           base_b[i] = next_b[i];
         }
       }
+    }
+    if constexpr (EREGS) {
+      if (tiles.total() > 0) PairOperandEpilogue();
     }
 
     StampWarp(a, k, warp);
