@@ -920,8 +920,9 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
   constexpr int kRowsPerPass = kMaxBatch / kWarps < 8 ? kMaxBatch / kWarps : 8;  // W1 rows a warp fetches at once
   constexpr int kDirectPerWarp = (kDirectBatch + kWarps - 1) / kWarps;
   // Base logits are fetched one tile ahead where registers allow; at NT = 8 a tile's 128 MMAs
-  // cover the latency of fetching them at the start of the tile.
-  constexpr bool kBaseAhead = NT <= 4;
+  // cover the latency of fetching them at the start of the tile. EREGS folds a tile in the next
+  // tile's iteration, so its base logits fetched at the tile's own start are a tile ahead of use.
+  constexpr bool kBaseAhead = NT <= 4 && !EREGS;
   // The branch-free epilogue for rows with no noise to compute spills registers at 16 slots a thread.
   constexpr bool kNoiseFreeEpilogue = kSlots <= 8;
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
