@@ -1270,7 +1270,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
     uint32_t line[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) line[i] = BaseLine<SPLIT, DIGITS, STAGED, EREGS>(a, stage_rows, first_row, k, i, t, g);
-    uint32_t base_a[kSlots], base_b[kSlots];
+    // EREGS walks its tiles two a pass, each with a set of its own (tile index, base-logit words and
+    // accumulators), so that nothing is copied from one tile to the next (see the tile loop).
+    constexpr int kSets = EREGS ? 2 : 1;
+    uint32_t base_set_a[kSets][kSlots], base_set_b[kSets][kSlots];
     const auto LoadBase = [&](int row0, uint32_t (&ba)[kSlots], uint32_t (&bb)[kSlots]) {
       if constexpr (EREGS) {
         LoadBasePairs<kSlots, STAGED>(a, staged, line, row0, t, ba, bb);
@@ -1278,7 +1281,7 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, ba, bb);
       }
     };
-    if (kBaseAhead && tiles.total() > 0) LoadBase(RowOf(next_tile), base_a, base_b);
+    if (kBaseAhead && tiles.total() > 0) LoadBase(RowOf(next_tile), base_set_a[0], base_set_b[0]);
     if (noise_pass && tiles.total() > 0) StageNoise(k, RowOf(next_tile), noise_tiles & 1);
     // Greedy rows and no logits out: l_k and its key, with no branches and no masks. Rows past
     // vocab_size (rows past V among them) are -inf, so their keys lose to any row below V; the slots
@@ -1289,30 +1292,35 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       best[i] = key > best[i] ? key : best[i];
     };
     // EREGS scores tile n's MMAs before tile n - 1's epilogue, so that the epilogue's instructions
-    // issue while the tensor cores work: the held tile is the one whose MMAs are done (its local
-    // index, bf16 base logits and accumulators).
-    int held_tile = 0;
-    uint32_t held_a[EREGS ? kSlots : 1], held_b[EREGS ? kSlots : 1];
-    int held_acc[EREGS ? 2 : 1][2][4];
-    // Lane (g, t) folds rows 8h + 2t + c of the held tile for requests 8m + g (slot m).
-    const auto PairOperandEpilogue = [&]() {
-      const int row0 = RowOf(held_tile);
+    // issue while the tensor cores work, and a tile's base logits have a tile's time to arrive. Tile n
+    // lives in set n % kSets: its local index, bf16 base-logit words and accumulators.
+    int set_tile[kSets] = {};
+    int set_acc[kSets][EREGS ? 2 : 1][2][4];
+    // Lane (g, t) folds rows 8h + 2t + c of set p's tile for requests 8m + g (slot m).
+    const auto PairOperandEpilogue = [&](int p) {
+      const int row0 = RowOf(set_tile[p]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float2 scale = *reinterpret_cast<const float2*>(scales + held_tile * kTileRows + 8 * h + 2 * t);
+        const float2 scale = *reinterpret_cast<const float2*>(scales + set_tile[p] * kTileRows + 8 * h + 2 * t);
 #pragma unroll
         for (int i = 0; i < kSlots; ++i) {
-          const uint32_t bits = h ? held_b[i] : held_a[i];
+          const uint32_t bits = h ? base_set_b[p][i] : base_set_a[p][i];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const float dot = DigitPairToFloat(held_acc[EREGS ? i : 0][h][c], held_acc[EREGS ? i : 0][h][2 + c]);
+            const float dot = DigitPairToFloat(set_acc[p][EREGS ? i : 0][h][c], set_acc[p][EREGS ? i : 0][h][2 + c]);
             const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(i);
             FoldPlain(i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
           }
         }
       }
     };
-    for (int n = 0; n < loop_tiles; ++n) {
+    for (int n0 = 0; n0 < loop_tiles; n0 += kSets) {
+#pragma unroll
+    for (int set = 0; set < kSets; ++set) {
+      const int n = n0 + set;
+      if (kSets > 1 && n >= loop_tiles) break;
+      uint32_t (&base_a)[kSlots] = base_set_a[set];
+      uint32_t (&base_b)[kSlots] = base_set_b[set];
       const bool active = n < tiles.total();
       const int j = next_tile;
       const int row0 = RowOf(j), row_a = row0 + g, row_b = row0 + g + 8;
@@ -1377,7 +1385,12 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
       // digits 0 at c, 1 at 2 + c). Each k-step's fragment words, from the prefetch registers of a
       // streamed tile or one 16-byte load of a resident one (fragment order), are the B operand of
       // both n-tiles.
-      int acc[EREGS ? 2 : 1][2][4] = {};
+      int (&acc)[EREGS ? 2 : 1][2][4] = set_acc[set];
+#pragma unroll
+      for (int m = 0; m < (EREGS ? 2 : 1); ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m][e / 4][e % 4] = 0;
+      }
       const auto PairOperandDots = [&](const auto& step_words) {
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
@@ -1636,18 +1649,8 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       };
       if constexpr (EREGS) {
-        if (n > 0) PairOperandEpilogue();
-        held_tile = j;
-#pragma unroll
-        for (int i = 0; i < kSlots; ++i) {
-          held_a[i] = base_a[i];
-          held_b[i] = base_b[i];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) held_acc[i][h][e] = acc[i][h][e];
-          }
-        }
+        if (n > 0) PairOperandEpilogue((set + 1) % kSets);
+        set_tile[set] = j;
       } else if constexpr (FORM == kPlainForm) {
         PlainEpilogue(std::integral_constant<int, kBF16>());
       } else if (LogitsForm(FORM)) {
@@ -1693,8 +1696,15 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         }
       }
     }
+    }
     if constexpr (EREGS) {
-      if (tiles.total() > 0) PairOperandEpilogue();
+      if (tiles.total() > 0) {
+        if ((tiles.total() - 1) % kSets) {
+          PairOperandEpilogue(1 % kSets);
+        } else {
+          PairOperandEpilogue(0);
+        }
+      }
     }
 
     StampWarp(a, k, warp);
