@@ -281,31 +281,43 @@ __device__ __forceinline__ unsigned int LoadAcquire(const unsigned int* p) {
   return v;
 }
 
-// The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
-// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
-__device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
+// The direct exchange's keys of N requests at one step: for each wanted request u, the maximum over
+// every CTA's slot (slots[u][0 .. grid)), once all of them are published (a published key is never
+// 0). All N requests are polled together, one L2 round trip a poll for all of them. The whole warp
+// calls it; every lane gets the keys.
+template <int N>
+__device__ __forceinline__ void GatherKeys(const unsigned long long* const (&slots)[N], const bool (&wanted)[N], int lane,
+                                           unsigned long long (&keys)[N]) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
-  unsigned long long v[kPerLane];
+  unsigned long long v[N][kPerLane];
   bool ready;
   do {
     ready = true;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      v[i] = 1;
-      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
-      ready = ready && v[i] != 0;
+    for (int u = 0; u < N; ++u) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[u][i] = 1;
+        if (wanted[u] && c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[u][i]) : "l"(slots[u] + c) : "memory");
+        ready = ready && v[u][i] != 0;
+      }
     }
   } while (!__all_sync(0xffffffffu, ready));
-  unsigned long long best = v[0];
 #pragma unroll
-  for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
+  for (int u = 0; u < N; ++u) {
+    keys[u] = v[u][0];
+#pragma unroll
+    for (int i = 1; i < kPerLane; ++i) keys[u] = v[u][i] > keys[u] ? v[u][i] : keys[u];
+  }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
-    best = other > best ? other : best;
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, keys[u], m);
+      keys[u] = other > keys[u] ? other : keys[u];
+    }
   }
-  return best;
 }
 
 // The exchange above kDirectBatch: N requests' choices of step `step` (requests first + u x stride, the
@@ -1154,12 +1166,19 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
 #pragma unroll
         for (int u = 0; u < kRowsPerPass; ++u) row[u] = prev[min(first + u * kWarps, batch - 1)];
       } else if (direct) {
-        // A warp walks at most kDirectPerWarp requests here.
+        // A warp walks at most kDirectPerWarp requests here, and gathers their keys together.
+        const unsigned long long* slots[kDirectPerWarp];
+        bool wanted[kDirectPerWarp];
+        unsigned long long keys[kDirectPerWarp];
 #pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
+        for (int u = 0; u < kDirectPerWarp; ++u) {
           const int b = first + u * kWarps;
-          row[u] = u < kDirectPerWarp && b < batch ? ArgmaxKeyIndex(GatherKey(a.slots + size_t((k - 1) * batch + b) * gridDim.x, lane)) : 0;
+          wanted[u] = b < batch;
+          slots[u] = a.slots + size_t((k - 1) * batch + min(b, batch - 1)) * gridDim.x;
         }
+        GatherKeys(slots, wanted, lane, keys);
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) row[u] = u < kDirectPerWarp && wanted[u] ? ArgmaxKeyIndex(keys[u]) : 0;
       } else {
         FetchChoices(a.slots, k - 1, first, kWarps, batch, row);
       }
