@@ -734,16 +734,17 @@ __device__ __forceinline__ void StageBaseLogits(const WalkArgs& a, unsigned char
 }
 
 // Asks L2 for step k's base logits of rows [first_row, first_row + rows), all requests: the loads
-// in the scoring loop then wait for L2, not HBM.
+// in the scoring loop then wait for L2, not HBM. One bulk prefetch a request (its rows are one
+// contiguous run), handed to the SM's copy engine: no per-line instructions, nothing held by the
+// threads. The run is cut to whole 16-byte units inside it (the hint may miss a few bytes at its ends;
+// it never reaches outside the buffer, whose start is 16-byte aligned).
 template <int THREADS>
 __device__ __forceinline__ void PrefetchBaseLogits(const WalkArgs& a, int first_row, int rows, int k) {
   const int esize = ElementBytes(a.base_dtype);
-  const int lines = (rows * esize + 127) / 128 + 1;
-  for (int c = threadIdx.x; c < a.batch * lines; c += THREADS) {
-    const int rq = c / lines, line = c % lines;
-    const char* start = static_cast<const char*>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize;
-    const char* p = start + min(128 * line, rows * esize - 1);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  for (int rq = threadIdx.x; rq < a.batch; rq += THREADS) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(a.base) + ((size_t(rq) * a.steps + k) * a.vocab + first_row) * esize;
+    const uintptr_t lo = (start + 15) & ~uintptr_t(15), hi = (start + size_t(rows) * esize) & ~uintptr_t(15);
+    if (hi > lo) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo), "r"(uint32_t(hi - lo)) : "memory");
   }
 }
 
