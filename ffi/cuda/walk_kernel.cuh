@@ -1131,7 +1131,10 @@ __global__ void __launch_bounds__(THREADS, 1) MarkovWalkKernel(const WalkArgs a)
         if constexpr (STAGED) {
           StageBaseLogits<THREADS>(a, staged, stage_rows, first_row, my_rows, k);
         } else {
-          PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+          // Unstaged base logits go to L2 a step ahead of use from step 1 on (step 0's W2 load
+          // would evict step 1's): steps 1 and 2 at step 1's start, then step k + 1 at step k's.
+          if (k == 1) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k);
+          if (k + 1 < steps) PrefetchBaseLogits<THREADS>(a, first_row, my_rows, k + 1);
         }
         if (!kKeepsStreamed && tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
         if (!kFillWhileGathering && a.noise_ahead) FillNoise(a, noise, stage_rows, first_row, my_rows, k, inv_t, key0, key1, pos, tid, THREADS);

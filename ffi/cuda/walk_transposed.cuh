@@ -304,7 +304,10 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
-      if (k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
+      // Base logits go to L2 a step ahead of use from step 1 on (step 0's W2 load would evict step
+      // 1's): steps 1 and 2 at step 1's start, then step k + 1 at step k's.
+      if (k == 1 && k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
+      if (k + 1 < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k + 1);
       Stamp(a, k, 1);
       // Every CTA's step k-1 keys are in once all have arrived.
       WaitForArrivals(a, k, tid);
