@@ -65,6 +65,9 @@ ffi::Error LaunchLayout(cudaStream_t stream, int device, const DeviceProperties&
   const int walk = WalkOf(PACKED, args);
   const int fixed = FixedBytes(PACKED, walk, args.base_dtype, args.tiles_per_cta);
   args.resident_tiles = std::min(args.tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
+#ifdef JAX_MARKOV_PROBE_NO_RESIDENT
+  args.resident_tiles = 0;  // timing probe: every tile streamed from L2
+#endif
   const int smem = fixed + args.resident_tiles * kTransposedTileBytes;
   const int threads = 128 * TransposedWarpgroups(walk, args.base_dtype);
   auto kernel = args.base_dtype == kF32    ? KernelFor<kF32, PACKED>(walk)

@@ -173,6 +173,17 @@ __device__ __forceinline__ void LoadThreadBase(const WalkArgs& a, size_t offset,
   constexpr int kVectors = BASE == kF32 ? 4 : 2, kRowsPerVector = 16 / kVectors;
   const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.base) + (offset + row) * (BASE == kF32 ? 4 : 2));
   uint4 v[kVectors];
+#ifdef JAX_MARKOV_PROBE_SMEM_BASE
+  // Timing probe (wrong numbers): the base logits read from shared memory (the digits' 32 KB, at the
+  // offset they would have in a [B][rows] staging buffer, wrapped), as if staged there before the step.
+  extern __shared__ __align__(1024) unsigned char probe_smem[];
+  const size_t probe_byte = (offset + row) * (BASE == kF32 ? 4 : 2);
+#pragma unroll
+  for (int q = 0; q < kVectors; ++q) v[q] = *reinterpret_cast<const uint4*>(probe_smem + ((probe_byte + 16 * q) & 32752));
+  (void)src;
+  (void)whole;
+  if (false)
+#endif
   if (whole) {
 #pragma unroll
     for (int q = 0; q < kVectors; ++q) v[q] = __ldcs(src + q);
