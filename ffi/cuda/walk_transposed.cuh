@@ -13,7 +13,9 @@
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
-//   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32
+//   CTA's tiles round-robin and issue their wgmmas in turn, so that the tensor cores can finish one
+//   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas (v123: -3 %
+//   at 64 requests, NOTES Session 49). Each digit's int32
 //   sums are exact (|sum| < 2^22), and so is high x 256 + low (< 2^31), which one conversion rounds
 //   to a float. The first tiles stay resident in shared memory (loaded once by cp.async); the rest
 //   stream from L2 into one slot per warpgroup, a streamed tile ahead.
