@@ -225,7 +225,7 @@ __device__ __forceinline__ void StoreThreadLogits(const WalkArgs& a, size_t offs
 template <bool PACKED, bool ROTATED, int WARPGROUPS>
 struct TransposedSmem {
   static constexpr int kDigitsBytes = DigitLayout<PACKED, ROTATED>::kBytes;
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16 + 8 * 4;  // cta_best, unscale, last-CTA flag, turns
   static constexpr int kRingBytes = WARPGROUPS * kTransposedTileBytes;
   __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
   __host__ __device__ static constexpr int FixedBytes(int rows_per_cta) {
@@ -234,10 +234,6 @@ struct TransposedSmem {
 };
 static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
-
-// Named barriers: 0 is __syncthreads, 1 + wg a warpgroup's own (its streamed slot), kTurnBarrier + wg
-// the turn of warpgroup wg's wgmmas.
-constexpr int kTurnBarrier = 1 + 4;
 
 template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) MarkovWalkTransposedKernel(const WalkArgs a) {
@@ -262,6 +258,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
   float* unscale = reinterpret_cast<float*>(cta_best + kMaxBatch);
   int* last_out = reinterpret_cast<int*>(unscale + kMaxBatch);
+  uint64_t* turn = reinterpret_cast<uint64_t*>(last_out + 4);  // warpgroup wg's turn: turn[wg]
   const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
   float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
   int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
@@ -292,6 +289,10 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   // Requests past the batch keep zero digits (their sums are zero and never published).
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
+  if (tid < kWarpgroups) {  // a turn is given by lane 0 of each of the predecessor's warps
+    MbarrierInit(&turn[tid], 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
   // resident tiles (warpgroup w copies tiles w, w + kWarpgroups, ...), then each warpgroup's first
   // streamed tile.
@@ -307,6 +308,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
   int consumed = 0;  // streamed tiles this warpgroup has scored
+  uint32_t turns = 0;  // turns this warpgroup has waited for (the parity of the next phase of turn[wg])
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
@@ -381,17 +383,16 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
     // The warpgroups issue their tiles' wgmmas in turn (warpgroup 0, 1, ..., then 0 again for its next
     // tile), each once its predecessor's are issued, so that the tensor cores finish one warpgroup's
     // tile before the next one's and its epilogue overlaps the others' wgmmas; a warpgroup whose
-    // tiles run out one round early passes the turn on once more. Round r of warpgroup wg waits at
-    // named barrier kTurnBarrier + wg (not at round 0 of warpgroup 0) and arrives at its successor's
-    // (not at the last round of the last warpgroup), so every barrier's arrivals balance each step.
+    // tiles run out one round early passes the turn on once more. Round r of warpgroup wg waits for
+    // the next phase of turn[wg] (not at round 0 of warpgroup 0), and each of its warps then arrives at
+    // its successor's (not at the last round of the last warpgroup), so every turn's phases match its
+    // waits each step.
     const int rounds = (my_tiles + kWarpgroups - 1) / kWarpgroups;
     const auto WaitTurn = [&](int round) {
-      if (wg > 0 || round > 0) asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + wg) : "memory");
+      if (wg > 0 || round > 0) MbarrierWait(&turn[wg], turns++ & 1);
     };
     const auto PassTurn = [&](int round) {
-      if (wg < kWarpgroups - 1 || round < rounds - 1) {
-        asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + (wg + 1) % kWarpgroups) : "memory");
-      }
+      if ((wg < kWarpgroups - 1 || round < rounds - 1) && lane == 0) MbarrierArrive(&turn[(wg + 1) % kWarpgroups]);
     };
     for (int i = wg; i < my_tiles; i += kWarpgroups) {
       const int row0 = RowOf(i);
