@@ -233,6 +233,10 @@ struct TransposedSmem {
 static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
+// Named barriers: 0 is __syncthreads, 1 + wg a warpgroup's own (its streamed slot), kTurnBarrier + wg
+// the turn of warpgroup wg's wgmmas.
+constexpr int kTurnBarrier = 1 + 4;
+
 template <int BASE, bool PACKED, int WALK>
 __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) MarkovWalkTransposedKernel(const WalkArgs a) {
   constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
@@ -372,8 +376,24 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
+    // The warpgroups issue their tiles' wgmmas in turn (warpgroup 0, 1, ..., then 0 again for its next
+    // tile), each once its predecessor's are issued, so that the tensor cores finish one warpgroup's
+    // tile before the next one's and its epilogue overlaps the others' wgmmas; a warpgroup whose
+    // tiles run out one round early passes the turn on once more. Round r of warpgroup wg waits at
+    // named barrier kTurnBarrier + wg (not at round 0 of warpgroup 0) and arrives at its successor's
+    // (not at the last round of the last warpgroup), so every barrier's arrivals balance each step.
+    const int rounds = (my_tiles + kWarpgroups - 1) / kWarpgroups;
+    const auto WaitTurn = [&](int round) {
+      if (wg > 0 || round > 0) asm volatile("bar.sync %0, 256;" ::"r"(kTurnBarrier + wg) : "memory");
+    };
+    const auto PassTurn = [&](int round) {
+      if (wg < kWarpgroups - 1 || round < rounds - 1) {
+        asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBarrier + (wg + 1) % kWarpgroups) : "memory");
+      }
+    };
     for (int i = wg; i < my_tiles; i += kWarpgroups) {
       const int row0 = RowOf(i);
+      const int round = i / kWarpgroups;
       // The tile's base logits of this thread's rows, loaded while the MMAs run.
       const int thread_row0 = row0 + 16 * t;
       const bool whole = row0 + kTransposedTileRows <= vocab;
@@ -402,6 +422,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         const int offset = d * Digits::kOperandBytes + s * Digits::kSlabBytes;
         return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
       };
+      WaitTurn(round);
       WgmmaFence();
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
@@ -409,6 +430,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
       }
       WgmmaCommit();
+      PassTurn(round);
       WgmmaWaitGroup<0>();
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
@@ -534,6 +556,10 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
           Epilogue(std::false_type());
         }
       }
+    }
+    if (wg + (rounds - 1) * kWarpgroups >= my_tiles && rounds > 0) {  // no tile in the last round
+      WaitTurn(rounds - 1);
+      PassTurn(rounds - 1);
     }
     StampWarp(a, k, warp);
 
