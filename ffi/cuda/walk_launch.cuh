@@ -15,7 +15,7 @@ namespace walk {
 // W1's logits came out up to 3.3e-5 off the reference on the H200, past the tests' 2e-5; the hi + lo
 // columns of MarkovWalkKernel keep them within it).
 inline bool WalksTransposed(const WalkArgs& a) {
-  return a.batch > kDirectBatch && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 &&
+  return a.batch > kDirectBatch && a.batch <= kMaxBatch && a.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(a.base) % 16 == 0 && reinterpret_cast<uintptr_t>(a.scale) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && (a.logits == nullptr || a.w1_dtype == kBF16);
 }
 

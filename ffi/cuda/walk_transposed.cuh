@@ -233,6 +233,22 @@ struct TransposedSmem {
 static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
 static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
+// Tiles that step 0 asks for ahead of the one it scores (IssueStep0).
+constexpr int kStep0Ahead = 2;
+
+// Step 0's base logits of tile rows [row0, row0 + 64) of every request asked of L2 (the 128-byte lines
+// that a request's rows touch), by thread u of a warpgroup.
+template <int BASE>
+__device__ __forceinline__ void PrefetchTileBase(const WalkArgs& a, int row0, int u) {
+  constexpr int kBytes = BASE == kF32 ? 4 : 2, kProbes = BASE == kF32 ? 3 : 2;  // probes at 0, 128, ..., last byte
+  const int bytes = min(kTransposedTileRows, a.vocab - row0) * kBytes;
+  for (int c = u; c < a.batch * kProbes; c += 128) {
+    const int rq = c / kProbes, probe = c % kProbes;
+    const char* start = static_cast<const char*>(a.base) + (size_t(rq) * a.steps * a.vocab + row0) * kBytes;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(start + min(128 * probe, bytes - 1)));
+  }
+}
+
 // Named barriers: 0 is __syncthreads, 1 + wg a warpgroup's own (its streamed slot), kTurnBarrier + wg
 // the turn of warpgroup wg's wgmmas.
 constexpr int kTurnBarrier = 1 + 4;
@@ -286,20 +302,32 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
     CpAsyncCommit();
   };
 
+  // Step 0 lands W2 and its base logits while it scores (a load issued behind the flood waits for all
+  // of it): a warpgroup's x-th tile (its resident tiles, then its streamed ones) has its base logits
+  // asked of L2 and, if resident, its copy issued kStep0Ahead tiles before it is scored, the first
+  // streamed tile's copy with it; one cp.async group each, empty or not.
+  const auto IssueStep0 = [&](int x) {
+    const int i = wg + x * kWarpgroups;
+    if (i < my_tiles) PrefetchTileBase<BASE>(a, RowOf(i), u);
+    if (i < n_resident) CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
+    if (i == first_streamed) {
+      CopyStreamed(0);
+    } else {
+      CpAsyncCommit();
+    }
+  };
+
   Stamp(a, 0, 0);
+  // The W2 scales go first (waited for at step 0's barrier); V % 8 == 0, so a 16-byte chunk lies
+  // wholly before or past V.
+  for (int c = tid; c < rows_per_cta / 4; c += kThreads) {
+    const bool inside = 4 * c < my_rows;
+    CpAsync16(scales + 4 * c, a.scale + (inside ? first_row + 4 * c : 0), inside);
+  }
+  CpAsyncCommit();
   // Requests past the batch keep zero digits (their sums are zero and never published).
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
-  // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
-  // resident tiles (warpgroup w copies tiles w, w + kWarpgroups, ...), then each warpgroup's first
-  // streamed tile.
-  if (my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, 0);
-  for (int i = wg; i < n_resident; i += kWarpgroups) {
-    CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
-  }
-  CpAsyncCommit();
-  CopyStreamed(0);
-  for (int i = tid; i < rows_per_cta; i += kThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
   __syncthreads();  // the zeroed digits before any warp writes its requests' digits
 
   Stamp(a, 0, 1);
@@ -331,6 +359,9 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       if (k < steps) {
         uint4 w1_raw[kPerWarp][2];
         LoadW1Rows(a, row, lane, w1_raw);
+        if (k == 0) {  // the flood, behind the anchors' W1 rows
+          for (int x = 0; x < kStep0Ahead; ++x) IssueStep0(x);
+        }
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
@@ -342,9 +373,9 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       Stamp(a, k, 3);
       break;
     }
-    // Step 0: the resident tiles have landed (this thread's copies, then everyone's).
-    if (k == 0) CpAsyncWaitPending(1);
-    FenceSharedForAsyncProxy();  // the digits (and resident tiles) are read by the tensor cores
+    // Step 0: the scales have landed (this thread's copies, then everyone's).
+    if (k == 0) CpAsyncWaitPending(kStep0Ahead);
+    FenceSharedForAsyncProxy();  // the digits are read by the tensor cores
     __syncthreads();
     Stamp(a, k, 3);
 
@@ -404,8 +435,11 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
-      if (streamed) {
-        CpAsyncWaitPending(0);
+      if (k == 0) IssueStep0(round + kStep0Ahead);
+      if (streamed || k == 0) {
+        // The tile's copies have landed (a resident one at step 0: the groups after its own are the
+        // kStep0Ahead issued since), this thread's, then the warpgroup's.
+        CpAsyncWaitPending(streamed ? 0 : kStep0Ahead);
         FenceSharedForAsyncProxy();
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
       }
