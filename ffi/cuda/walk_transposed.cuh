@@ -286,13 +286,14 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   };
 
   Stamp(a, 0, 0);
-  // Requests past the batch keep zero digits (their sums are zero and never published).
-  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
-  for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
   if (tid < kWarpgroups) {  // a turn is given by lane 0 of each of the predecessor's warps
     MbarrierInit(&turn[tid], 4);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __syncthreads();  // the turns made before any other shared-memory write (racecheck pairs them otherwise)
+  // Requests past the batch keep zero digits (their sums are zero and never published).
+  for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
+  for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
   // resident tiles (warpgroup w copies tiles w, w + kWarpgroups, ...), then each warpgroup's first
   // streamed tile.
