@@ -646,9 +646,14 @@ __host__ __device__ constexpr bool StagesLogits(int nt, bool split, bool digits,
 
 // Bulk copies (the TMA unit) into shared memory that complete on an mbarrier: a phase of `bar`
 // completes once its one arrival (the expect_tx) is made and all the bytes it expects have landed.
+// (A phase of an mbarrier made with more arrivals completes at the last of them.)
 
-__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, uint32_t arrivals = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(arrivals) : "memory");
+}
+
+__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {

@@ -13,7 +13,9 @@
 //   no A registers, and a thread's accumulators cover 2 requests x 16 rows (PACKED: both digits of
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
-//   CTA's tiles round-robin (one scores while the others run their epilogues). Each digit's int32
+//   CTA's tiles round-robin and issue their wgmmas in turn, so that the tensor cores can finish one
+//   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas (v123: -3 %
+//   at 64 requests, NOTES Session 49). Each digit's int32
 //   sums are exact (|sum| < 2^22), and so is high x 256 + low (< 2^31), which one conversion rounds
 //   to a float. The first tiles stay resident in shared memory (loaded once by cp.async); the rest
 //   stream from L2 into one slot per warpgroup, a streamed tile ahead.
@@ -223,7 +225,7 @@ __device__ __forceinline__ void StoreThreadLogits(const WalkArgs& a, size_t offs
 template <bool PACKED, bool ROTATED, int WARPGROUPS>
 struct TransposedSmem {
   static constexpr int kDigitsBytes = DigitLayout<PACKED, ROTATED>::kBytes;
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16;  // cta_best, unscale, last-CTA flag
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16 + 8 * 4;  // cta_best, unscale, last-CTA flag, turns
   static constexpr int kRingBytes = WARPGROUPS * kTransposedTileBytes;
   __host__ __device__ static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
   __host__ __device__ static constexpr int FixedBytes(int rows_per_cta) {
@@ -256,6 +258,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
   float* unscale = reinterpret_cast<float*>(cta_best + kMaxBatch);
   int* last_out = reinterpret_cast<int*>(unscale + kMaxBatch);
+  uint64_t* turn = reinterpret_cast<uint64_t*>(last_out + 4);  // warpgroup wg's turn: turn[wg]
   const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
   float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
   int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
@@ -283,6 +286,11 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   };
 
   Stamp(a, 0, 0);
+  if (tid < kWarpgroups) {  // a turn is given by lane 0 of each of the predecessor's warps
+    MbarrierInit(&turn[tid], 4);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the turns made before any other shared-memory write (racecheck pairs them otherwise)
   // Requests past the batch keep zero digits (their sums are zero and never published).
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
@@ -301,6 +309,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
   int consumed = 0;  // streamed tiles this warpgroup has scored
+  uint32_t turns = 0;  // turns this warpgroup has waited for (the parity of the next phase of turn[wg])
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
@@ -372,8 +381,23 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         position[r] = uint32_t(a.position[rq]) + uint32_t(k);
       }
     }
+    // The warpgroups issue their tiles' wgmmas in turn (warpgroup 0, 1, ..., then 0 again for its next
+    // tile), each once its predecessor's are issued, so that the tensor cores finish one warpgroup's
+    // tile before the next one's and its epilogue overlaps the others' wgmmas; a warpgroup whose
+    // tiles run out one round early passes the turn on once more. Round r of warpgroup wg waits for
+    // the next phase of turn[wg] (not at round 0 of warpgroup 0), and each of its warps then arrives at
+    // its successor's (not at the last round of the last warpgroup), so every turn's phases match its
+    // waits each step.
+    const int rounds = (my_tiles + kWarpgroups - 1) / kWarpgroups;
+    const auto WaitTurn = [&](int round) {
+      if (wg > 0 || round > 0) MbarrierWait(&turn[wg], turns++ & 1);
+    };
+    const auto PassTurn = [&](int round) {
+      if ((wg < kWarpgroups - 1 || round < rounds - 1) && lane == 0) MbarrierArrive(&turn[(wg + 1) % kWarpgroups]);
+    };
     for (int i = wg; i < my_tiles; i += kWarpgroups) {
       const int row0 = RowOf(i);
+      const int round = i / kWarpgroups;
       // The tile's base logits of this thread's rows, loaded while the MMAs run.
       const int thread_row0 = row0 + 16 * t;
       const bool whole = row0 + kTransposedTileRows <= vocab;
@@ -402,6 +426,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         const int offset = d * Digits::kOperandBytes + s * Digits::kSlabBytes;
         return ROTATED ? rotated_desc + uint64_t(offset >> 4) : WgmmaDescriptor(digits + offset, 128, 256);
       };
+      WaitTurn(round);
       WgmmaFence();
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
@@ -409,6 +434,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
       }
       WgmmaCommit();
+      PassTurn(round);
       WgmmaWaitGroup<0>();
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
@@ -534,6 +560,10 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
           Epilogue(std::false_type());
         }
       }
+    }
+    if (wg + (rounds - 1) * kWarpgroups >= my_tiles && rounds > 0) {  // no tile in the last round
+      WaitTurn(rounds - 1);
+      PassTurn(rounds - 1);
     }
     StampWarp(a, k, warp);
 
