@@ -428,11 +428,20 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       };
       WaitTurn(round);
       WgmmaFence();
+#ifdef JAX_MARKOV_PROBE_NO_WGMMA
+      // Timing probe: no wgmma; the accumulators are numbers the compiler cannot fold.
+#pragma unroll
+      for (int d = 0; d < kBlocks; ++d) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) asm volatile("mov.b32 %0, %1;" : "=r"(acc[d][e]) : "r"(i * 37 + 5 * e + d));
+      }
+#else
 #pragma unroll
       for (int d = 0; d < kBlocks; ++d) {
 #pragma unroll
         for (int s = 0; s < kRank / 32; ++s) WgmmaS8(acc[d], ADesc(d, s), WgmmaDescriptor(tile + s * 2048, 128, 256), s > 0);
       }
+#endif
       WgmmaCommit();
       PassTurn(round);
       WgmmaWaitGroup<0>();
@@ -460,6 +469,20 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         return (e % 2 ? sc.y : sc.x) * dot;
       };
       const auto Epilogue = [&](auto partial) {
+#ifdef JAX_MARKOV_PROBE_NO_EPILOGUE
+        // Timing probe: one value a request from the accumulators and two of the base logits' words
+        // (so that both 16-byte loads stay).
+#pragma unroll
+        for (int r = 0; r < kRequests; ++r) {
+          const float l = __int2float_rn(acc[0][r] ^ acc[kBlocks - 1][31 - r]) + BasePairValue<BASE>(base[r][0], 0) +
+                          BasePairValue<BASE>(base[r][7], 1);
+          if (l > best_value[r]) {
+            best_value[r] = l;
+            best_row[r] = thread_row0;
+          }
+        }
+        return;
+#endif
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
