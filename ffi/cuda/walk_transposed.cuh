@@ -403,8 +403,25 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       const bool whole = row0 + kTransposedTileRows <= vocab;
       BasePairBits<BASE> base[kEarly][8];
       if (!warp_idle) {
+#ifdef JAX_MARKOV_PROBE_NO_BASE
+        // Timing probe: no base-logit loads; bits the compiler cannot fold.
+#pragma unroll
+        for (int r = 0; r < kEarly; ++r) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            uint32_t bits;
+            asm volatile("mov.b32 %0, %1;" : "=r"(bits) : "r"(uint32_t(thread_row0 + 2 * j + r)));
+            if constexpr (BASE == kF32) {
+              base[r][j] = make_uint2(bits, bits);
+            } else {
+              base[r][j] = bits;
+            }
+          }
+        }
+#else
 #pragma unroll
         for (int r = 0; r < kEarly; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
+#endif
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
