@@ -14,11 +14,11 @@
 //   one request), so it keeps 2 best candidates (16 in MarkovWalkKernel at B = 64).
 // - Three warpgroups (four in the plain walk over 16-bit base logits: TransposedWarpgroups) share a
 //   CTA's tiles round-robin and issue their wgmmas in turn, so that the tensor cores can finish one
-//   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas (v123: -3 %
-//   at 64 requests, NOTES Session 49). Each digit's int32
-//   sums are exact (|sum| < 2^22), and so is high x 256 + low (< 2^31), which one conversion rounds
-//   to a float. The first tiles stay resident in shared memory (loaded once by cp.async); the rest
-//   stream from L2 into one slot per warpgroup, a streamed tile ahead.
+//   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas (v123m2:
+//   -3.4 % at 64 requests, NOTES Sessions 49-50). Each digit's int32 sums are exact (|sum| < 2^22),
+//   and so is high x 256 + low (< 2^31), which one conversion rounds to a float. The first tiles
+//   stay resident in shared memory (loaded once by cp.async); the rest stream from L2 into one slot
+//   per warpgroup, a streamed tile ahead.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
 //   a 64 x 256 operand at byte TransposedOffset(n, k). A W2 tile holds its rows in the order that gives
 //   each thread 16 consecutive rows (TileRow): the thread of column pair t holds rows 16 t .. 16 t + 15
