@@ -37,8 +37,10 @@ int FixedBytes(bool packed, int walk, int base, int tiles_per_cta) {
 }
 
 // Whether a layout's CTA fits at all, judged by the largest fixed part of its walks, so that which
-// kernel a launch takes does not depend on whether it samples, on its batch or on its base dtype.
+// kernel a launch takes does not depend on whether it samples, on its batch or on its base dtype (and
+// by the rounds of its fewest warpgroups).
 bool LayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
+  if (tiles_per_cta > kMaxTransposedRounds * kTransposedWarpgroups) return false;
   int largest = 0;
   for (int walk : {kPlainWalk, kLogitsWalk, kSampledWalk, kRotatedSampledWalk}) {
     if (packed && walk == kRotatedSampledWalk) continue;

@@ -16,9 +16,10 @@
 //   CTA's tiles round-robin and issue their wgmmas in turn, so that the tensor cores can finish one
 //   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas (v123m2:
 //   -3.4 % at 64 requests, NOTES Sessions 49-50). Each digit's int32 sums are exact (|sum| < 2^22),
-//   and so is high x 256 + low (< 2^31), which one conversion rounds to a float. The first tiles
-//   stay resident in shared memory (loaded once by cp.async); the rest stream from L2 into one slot
-//   per warpgroup, a streamed tile ahead.
+//   and so is high x 256 + low (< 2^31), which one conversion rounds to a float. Some tiles stay
+//   resident in shared memory (loaded once by cp.async); the rest stream from L2 into one slot per
+//   warpgroup, a streamed tile ahead, each warpgroup's streamed tiles between its resident ones so
+//   that a copy lands while a resident tile is scored.
 // - Operands in shared memory use the canonical K-major layout without swizzle: element (n, k) of
 //   a 64 x 256 operand at byte TransposedOffset(n, k). A W2 tile holds its rows in the order that gives
 //   each thread 16 consecutive rows (TileRow): the thread of column pair t holds rows 16 t .. 16 t + 15
@@ -51,6 +52,8 @@ constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
 // The warpgroups of the walks other than TransposedWarpgroups' four (DigitLayout's ROTATED order is
 // laid out for them).
 constexpr int kTransposedWarpgroups = 3;
+// The rounds of tiles a warpgroup scores a step at most (one bit each in a 32-bit mask).
+constexpr int kMaxTransposedRounds = 32;
 
 // What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
 // logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
@@ -274,16 +277,25 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   const int my_rows = max(0, min(my_tiles * kTransposedTileRows, vocab - first_row));
   const int n_resident = min(a.resident_tiles, my_tiles);
   const auto RowOf = [&](int local_tile) { return (first_tile + local_tile) * kTransposedTileRows; };
-  // This warpgroup's streamed tiles, one periodic sequence over all steps: streamed tile c (counted
-  // from 0 at step 0) is local tile first_streamed + (c % n_streamed) x kWarpgroups.
-  const int first_streamed = n_resident + ((wg - n_resident) % kWarpgroups + kWarpgroups) % kWarpgroups;
-  const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarpgroups + 1 : 0;
+  // Round r of this warpgroup scores local tile wg + kWarpgroups r. It keeps as many of its tiles
+  // resident as it has resident slots (wg, wg + kWarpgroups, ... below n_resident: its j-th resident
+  // round's tile is in slot wg + kWarpgroups j), and takes streamed and resident rounds in turn,
+  // streamed first, while it has both (rounds 0 .. alternate - 1), the rest after them: a streamed
+  // tile's copy, issued once the streamed tile before it is scored, lands while a resident one is.
+  // Bit r of resident_rounds is set where round r is resident, and from my_rounds on (no round there).
+  const int my_rounds = my_tiles > wg ? (my_tiles - 1 - wg) / kWarpgroups + 1 : 0;  // <= kMaxTransposedRounds
+  const int my_resident = n_resident > wg ? (n_resident - 1 - wg) / kWarpgroups + 1 : 0;
+  uint32_t resident_rounds = my_rounds < 32 ? ~0u << my_rounds : 0u;
+  for (int r = 0, alternate = 2 * min(my_resident, my_rounds - my_resident); r < my_rounds; ++r) {
+    if (r < alternate ? (r & 1) != 0 : my_resident > my_rounds - my_resident) resident_rounds |= 1u << r;
+  }
+  const auto IsResident = [&](int r) { return (resident_rounds >> r & 1u) != 0; };
+  const auto ResidentSlot = [&](int r) { return wg + kWarpgroups * __popc(resident_rounds & ((1u << r) - 1)); };
+  // The first streamed round after round r in a step (-1: none left).
+  const auto NextStreamed = [&](int r) { return __ffs(~resident_rounds & (~1u << r)) - 1; };
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
-  const auto CopyStreamed = [&](int c) {
-    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kWarpgroups), slot, u);
-    CpAsyncCommit();
-  };
+  const auto CopyStreamed = [&](int r) { CopyTransposedTile(w2, vocab, RowOf(wg + kWarpgroups * r), slot, u); };
 
   Stamp(a, 0, 0);
   if (tid < kWarpgroups) {  // a turn is given by lane 0 of each of the predecessor's warps
@@ -295,20 +307,21 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
   for (int b = tid; b < kMaxBatch; b += kThreads) cta_best[b] = 0;
   // Everything that does not depend on the walk starts moving now: step 0's base logits (to L2), the
-  // resident tiles (warpgroup w copies tiles w, w + kWarpgroups, ...), then each warpgroup's first
+  // resident tiles (each warpgroup those of its resident rounds), then each warpgroup's first
   // streamed tile.
   if (my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, 0);
-  for (int i = wg; i < n_resident; i += kWarpgroups) {
-    CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
+  for (int r = 0; r < my_rounds; ++r) {
+    if (IsResident(r)) CopyTransposedTile(w2, vocab, RowOf(wg + kWarpgroups * r), resident + size_t(ResidentSlot(r)) * kTransposedTileBytes, u);
   }
   CpAsyncCommit();
-  CopyStreamed(0);
+  const int first_streamed = __ffs(~resident_rounds) - 1;  // -1: this warpgroup streams nothing
+  if (first_streamed >= 0) CopyStreamed(first_streamed);
+  CpAsyncCommit();
   for (int i = tid; i < rows_per_cta; i += kThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
   __syncthreads();  // the zeroed digits before any warp writes its requests' digits
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
-  int consumed = 0;  // streamed tiles this warpgroup has scored
   uint32_t turns = 0;  // turns this warpgroup has waited for (the parity of the next phase of turn[wg])
   for (int k = 0; k <= steps; ++k) {
     if (k > 0) {
@@ -406,8 +419,8 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
 #pragma unroll
         for (int r = 0; r < kEarly; ++r) LoadThreadBase<BASE>(a, base_offset[r], thread_row0, whole, base[r]);
       }
-      const bool streamed = i >= n_resident;
-      const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
+      const bool streamed = !IsResident(round);
+      const int8_t* tile = streamed ? slot : resident + size_t(ResidentSlot(round)) * kTransposedTileBytes;
       if (streamed) {
         CpAsyncWaitPending(0);
         FenceSharedForAsyncProxy();
@@ -442,9 +455,16 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
         for (int e = 0; e < 32; ++e) asm volatile("" : "+r"(acc[d][e])::"memory");
       }
       if (streamed) {
-        // Every warp's wgmmas have read the slot: the warpgroup's next streamed tile goes in.
+        // Every warp's wgmmas have read the slot: the warpgroup's next streamed tile goes in (this
+        // step's, or the next step's first).
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
-        CopyStreamed(++consumed);
+        const int next = NextStreamed(round);
+        if (next >= 0) {
+          CopyStreamed(next);
+        } else if (k + 1 < steps) {
+          CopyStreamed(first_streamed);
+        }
+        CpAsyncCommit();
       }
       // l = base + (scale x dot) x unscale x logit_scale, rounded as MarkovWalkKernel rounds it; -inf
       // at and past vocab_size (only a tile that reaches vocab_size checks). The rows of a thread come
