@@ -474,7 +474,11 @@ __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_sh
 }
 
 // e[0..7] x `up` rounded to integers, each in N balanced int8 digits (v = d0 + 2^8 d1 + ..., the top
-// digit taking what is left), packed 4 a word: words[d][0..1] hold digit d of the 8 elements.
+// digit taking what is left), packed 4 a word: words[d][0..1] hold digit d of the 8 elements. Two
+// digits: digit d is byte d of v + 2^7 d (2^7 the low digit's carry), which one byte permute puts in
+// its word, the same bits as the three-digit split below in about half the instructions (Session 51).
+// The one-request kernels' three digits keep that split: the byte form spilled registers in their
+// tile loop (8 -> 32 bytes in the staged logits forms).
 template <int N>
 __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32_t (&words)[N][2]) {
 #pragma unroll
@@ -483,9 +487,15 @@ __device__ __forceinline__ void DigitWords(const float (&e)[8], float up, uint32
     int v = isfinite(scaled) ? __float2int_rn(scaled) : 0;
 #pragma unroll
     for (int d = 0; d < N; ++d) {
-      const int digit = d < N - 1 ? ((v + 128) & 0xFF) - 128 : v;
-      v = (v - digit) >> 8;
-      words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
+      if constexpr (N == 2) {
+        // Byte i % 4 of the word from byte d of v + 2^7 d (selector 4 + d), the others kept.
+        const uint32_t select = (0x3210u & ~(0xFu << (4 * (i % 4)))) | ((4u + d) << (4 * (i % 4)));
+        words[d][i / 4] = __byte_perm(words[d][i / 4], uint32_t(v) + 0x80u * d, select);
+      } else {
+        const int digit = d < N - 1 ? ((v + 128) & 0xFF) - 128 : v;
+        v = (v - digit) >> 8;
+        words[d][i / 4] |= uint32_t(digit & 0xFF) << (8 * (i % 4));
+      }
     }
   }
 }
