@@ -416,15 +416,17 @@ def test_repeatable_and_nothing_stale(batch, vocab, return_logits):
 
 
 # The exchange's words of one call must all be zero for the next, whatever its shape: a larger call
-# followed by smaller ones (fewer requests, fewer steps). The atomic exchange in the transposed kernel
-# (int8 W2) and in MarkovWalkKernel (bf16 W2, above 16 requests); the direct one (up to 16 requests),
-# whose slots each CTA clears as it goes and CTA 0 clears for the last two steps, at K = 1 and 2 too.
+# followed by smaller ones (fewer requests, fewer steps). The atomic exchange in MarkovWalkKernel (bf16
+# W2, above 16 requests); the direct one, whose slots each CTA clears as it goes and CTA 0 clears for
+# the last two steps, at K = 1 and 2 too: in the transposed kernel (int8 W2, 17-64 requests), in
+# MarkovWalkKernel (up to 16), and the two in turn (their slots of a step lie at other offsets).
 # A stale key would win its slot, or a stale direct slot read as published, and change a token.
 @pytest.mark.parametrize("w2_dtype,shapes", [
-    (jnp.int8, [(64, 7), (24, 3), (40, 5), (17, 7)]),
+    (jnp.int8, [(64, 7), (24, 3), (40, 5), (17, 7), (64, 1), (33, 2), (17, 16)]),
     (jnp.bfloat16, [(64, 7), (24, 3), (40, 5), (17, 7)]),
     (jnp.int8, [(16, 16), (16, 1), (3, 2), (16, 7), (1, 3), (9, 2), (2, 1)]),
-], ids=["atomic-int8", "atomic-bf16", "direct-int8"])
+    (jnp.int8, [(64, 16), (16, 7), (40, 2), (3, 5), (17, 1), (9, 16)]),
+], ids=["transposed-int8", "atomic-bf16", "direct-int8", "both-int8"])
 def test_keys_clean_across_shapes(check_parity, w2_dtype, shapes):
     rng = np.random.default_rng(22)
     for batch, steps in shapes:

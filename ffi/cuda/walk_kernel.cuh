@@ -21,10 +21,11 @@
 //   in registers as the A operand instead, and W2's tile words are B (EREGS, BuildDigitPairOperands).
 // - The per-step choice is a 64-bit key (ordered score, inverted index) whose integer maximum is
 //   the SPEC.md argmax. Each CTA reduces its candidates in shared memory, then publishes them. Up to
-//   kDirectBatch requests (on up to kDirectMaxCtas SMs), each CTA stores its key in a slot of its
-//   own and one warp per request waits for all of them to be non-zero and takes their maximum: the
-//   keys are the barrier, one L2 round trip. Larger batches publish one atomicMax per request, then
-//   bump an arrival counter that doubles as the grid barrier. Step k uses its own slots, and the
+//   kDirectBatch requests here, and in the transposed walk of 17-64 (on up to kDirectMaxCtas SMs),
+//   each CTA stores its key in a slot of its own and one warp per request waits for all of them to be
+//   non-zero and takes their maximum: the keys are the barrier, one L2 round trip. On more SMs
+//   batches above kDirectBatch publish one atomicMax per request, then bump an arrival counter that
+//   doubles as the grid barrier. Step k uses its own slots, and the
 //   next call starts clean: direct slots are cleared as they go out of use (CTA 0 clears the last
 //   two steps'), the atomic keys and counters by the last CTA to leave.
 // - Sampled rows add Gumbel noise (Philox4x32-10) to their scores. Small batches compute each step's
@@ -68,7 +69,7 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 // The exchange through one slot per CTA (see above): its batch and grid limits, the slots it takes.
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
-constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
+constexpr int kSlotWords = kMaxSteps * kMaxBatch * kDirectMaxCtas;  // the transposed kernel's direct exchange: 64 requests
 // The atomic exchange's keys, each on a line of its own (kKeyStride, walk_common.h).
 static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
 __host__ __device__ constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }
@@ -306,6 +307,52 @@ __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long
     best = other > best ? other : best;
   }
   return best;
+}
+
+// The direct exchange's choices of a warp's N requests at one step (first + u x stride; `step_slots`:
+// that step's slots), as draft tokens (0 for those past the batch). The warp spins on its first
+// request's slots alone (GatherKey), then reads the others' once, again only while one is empty:
+// every CTA publishes all its keys at once, so when one request's slots are in the others' nearly
+// always are, and a spin over all of them would read N x grid slots a warp every round trip while
+// the slowest CTAs still score (at 64 requests 8.9 MB over the grid a round). The whole warp calls
+// it; every lane gets the tokens.
+template <int N>
+__device__ __forceinline__ void GatherChoices(const unsigned long long* step_slots, int first, int stride, int batch, int lane,
+                                              int (&row)[N]) {
+  constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
+  row[0] = first < batch ? int(ArgmaxKeyIndex(GatherKey(step_slots + size_t(first) * gridDim.x, lane))) : 0;
+  if constexpr (N > 1) {
+    unsigned long long v[N - 1][kPerLane];
+    bool ready;
+    do {
+      ready = true;
+#pragma unroll
+      for (int u = 1; u < N; ++u) {
+        const int b = first + u * stride;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int c = lane + 32 * i;
+          v[u - 1][i] = 1;
+          if (b < batch && c < gridDim.x) {
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[u - 1][i]) : "l"(step_slots + size_t(b) * gridDim.x + c) : "memory");
+          }
+          ready = ready && v[u - 1][i] != 0;
+        }
+      }
+    } while (!__all_sync(0xffffffffu, ready));
+#pragma unroll
+    for (int u = 1; u < N; ++u) {
+      unsigned long long best = v[u - 1][0];
+#pragma unroll
+      for (int i = 1; i < kPerLane; ++i) best = v[u - 1][i] > best ? v[u - 1][i] : best;
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
+        best = other > best ? other : best;
+      }
+      row[u] = first + u * stride < batch ? int(ArgmaxKeyIndex(best)) : 0;
+    }
+  }
 }
 
 // The exchange above kDirectBatch: N requests' choices of step `step` (requests first + u x stride, the

@@ -35,10 +35,12 @@
 //   others, and the noise is most of the work; DigitLayout's ROTATED order gives each warpgroup's
 //   heavy warps to other SM sub-partitions than the other warpgroups' (48 KB of A operands, not 32:
 //   one resident tile fewer, which costs more than the balance gains from 49 requests on).
-// - The exchange is MarkovWalkKernel's above kDirectBatch requests: one atomicMax per request and an
-//   arrival counter that doubles as the grid barrier. (At 16 requests and fewer MarkovWalkKernel's
-//   direct exchange and fp16 wgmma were faster: 108.5 against 136.6 us at V = 151936, K = 7, B = 16,
-//   and 103.9 against 126.3 for the plain walk in Session 35.)
+// - The exchange is MarkovWalkKernel's direct one (a slot per CTA and request; GatherChoices spins on
+//   a warp's first request, then reads the others' slots once), or on more than kDirectMaxCtas SMs
+//   its atomic one: one atomicMax per request and an arrival counter that doubles as the grid
+//   barrier. (At 16 requests and fewer MarkovWalkKernel's direct exchange and fp16 wgmma were faster:
+//   108.5 against 136.6 us at V = 151936, K = 7, B = 16, and 103.9 against 126.3 for the plain walk
+//   in Session 35.)
 #pragma once
 
 #include "cuda/walk_kernel.cuh"
@@ -310,14 +312,21 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
   Stamp(a, 0, 2);
   int consumed = 0;  // streamed tiles this warpgroup has scored
   uint32_t turns = 0;  // turns this warpgroup has waited for (the parity of the next phase of turn[wg])
-  for (int k = 0; k <= steps; ++k) {
+  // The direct exchange (slots[(k * batch + b) * grid + cta]): only CTA 0 gathers the last step's keys
+  // (it writes the tokens); the other CTAs stop once they have published it.
+  const bool direct = gridDim.x <= kDirectMaxCtas;
+  const int last = direct && blockIdx.x != 0 ? steps - 1 : steps;
+  for (int k = 0; k <= last; ++k) {
     if (k > 0) {
       Stamp(a, k, 0);
       if (k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
-      // Every CTA's step k-1 keys are in once all have arrived.
-      WaitForArrivals(a, k, tid);
-      __syncthreads();
+      // Atomic exchange: every CTA's step k-1 keys are in once all have arrived (the direct one waits
+      // for the keys themselves below).
+      if (!direct) {
+        WaitForArrivals(a, k, tid);
+        __syncthreads();
+      }
       Stamp(a, k, 2);
     }
 
@@ -329,7 +338,11 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
       } else {
-        FetchChoices(a.slots, k - 1, warp, kWarps, batch, row);
+        if (direct) {
+          GatherChoices(a.slots + size_t(k - 1) * batch * gridDim.x, warp, kWarps, batch, lane, row);
+        } else {
+          FetchChoices(a.slots, k - 1, warp, kWarps, batch, row);
+        }
         if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
         if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
       }
@@ -582,15 +595,25 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
     __syncthreads();
     Stamp(a, k, 4);
 
-    // 4. Publish one key per request and arrive, as MarkovWalkKernel does.
-    PublishKeys(a, k, false, batch, steps, cta_best, tid);
+    // 4. Publish one key per request (and arrive, atomic exchange), as MarkovWalkKernel does.
+    PublishKeys(a, k, direct, batch, steps, cta_best, tid);
     Stamp(a, k, 5);
   }
 
-  // The last CTA out leaves the workspace zeroed for the next call on this stream, as MarkovWalkKernel's
-  // atomic exchange does (written out there: as a shared function it changed MarkovWalkKernel's
-  // register allocation).
+  // The workspace is left zeroed for the next call on this stream, as MarkovWalkKernel leaves it
+  // (written out here: as a shared function it changed MarkovWalkKernel's register allocation). Direct:
+  // each CTA cleared its slots of step k - 2 when it published step k, and CTA 0, having gathered the
+  // last step's keys (so every CTA is done reading the last two steps'), clears those. Atomic: the
+  // last CTA out clears the keys and the counters.
   CpAsyncWaitPending(0);  // no copy in flight when the CTA exits
+  if (direct) {
+    if (blockIdx.x == 0) {
+      __syncthreads();
+      unsigned long long* first = a.slots + size_t(max(0, steps - 2)) * batch * gridDim.x;
+      for (int i = tid; i < (steps - max(0, steps - 2)) * batch * int(gridDim.x); i += kThreads) first[i] = 0;
+    }
+    return;
+  }
   __syncthreads();
   if (tid == 0) {
     __threadfence();
