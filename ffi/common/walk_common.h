@@ -1,4 +1,4 @@
-// Shared by the CPU and CUDA custom calls: Philox4x32-10, the Gumbel noise of SPEC.md, and the
+// Shared by the CPU and CUDA custom calls: Philox4x32-10, the Gumbel noise of docs/spec.md, and the
 // packed 64-bit argmax key. Everything here is plain arithmetic that compiles for host and device.
 #pragma once
 
@@ -15,7 +15,7 @@
 
 namespace jax_markov {
 
-// Counter word 2 of the draft noise stream (SPEC.md): keeps it apart from acceptance/resampling.
+// Counter word 2 of the draft noise stream (docs/spec.md): keeps it apart from acceptance/resampling.
 constexpr uint32_t kDraftStream = 0x40000000u;
 
 // The hi and lo words of a x b. On the device WIDE makes it one 32 x 32 -> 64-bit multiply, which
@@ -37,15 +37,17 @@ MARKOV_HD void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
   *lo = static_cast<uint32_t>(p);
 }
 
-// First output words of Philox4x32-10 (Random123) for N independent inputs: counter (c0[i], c1[i],
-// c2, 0) and key (k0[i], k1[i]), the result in c0[i]. The rounds run in lockstep over the N inputs,
-// so that the compiler sees N independent chains of dependent multiplies side by side (WIDE: see MulHiLo).
+// Philox4x32-10 (Random123) for N independent blocks: counter (c0[i], c1[i], c2, 0) and key (k0[i], k1[i]);
+// out[i][w] is output word w (0-3, in output order). The rounds run in lockstep over the N blocks, so
+// that the compiler sees N independent chains of dependent multiplies side by side (WIDE: see MulHiLo).
+// Words a caller never reads are never computed past their last use (dead code).
 template <int N, bool WIDE>
-MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], uint32_t c2_in, const uint32_t (&k0_in)[N],
-                               const uint32_t (&k1_in)[N]) {
-  uint32_t c1[N], c2[N], c3[N], k0[N], k1[N];
+MARKOV_HD void Philox4x32(const uint32_t (&c0_in)[N], const uint32_t (&c1_in)[N], uint32_t c2_in, const uint32_t (&k0_in)[N],
+                          const uint32_t (&k1_in)[N], uint32_t (&out)[N][4]) {
+  uint32_t c0[N], c1[N], c2[N], c3[N], k0[N], k1[N];
   MARKOV_UNROLL
   for (int i = 0; i < N; ++i) {
+    c0[i] = c0_in[i];
     c1[i] = c1_in[i];
     c2[i] = c2_in;
     c3[i] = 0;
@@ -67,6 +69,13 @@ MARKOV_HD void Philox4x32Word0(uint32_t (&c0)[N], const uint32_t (&c1_in)[N], ui
       k0[i] += 0x9E3779B9u;
       k1[i] += 0xBB67AE85u;
     }
+  }
+  MARKOV_UNROLL
+  for (int i = 0; i < N; ++i) {
+    out[i][0] = c0[i];
+    out[i][1] = c1[i];
+    out[i][2] = c2[i];
+    out[i][3] = c3[i];
   }
 }
 
@@ -102,40 +111,66 @@ MARKOV_HD float LogOfUnit(float u) {
   return fmaf(static_cast<float>(e), 0.693147182464599609375f * 1.1920928955078125e-07f, r);
 }
 
-// u = (float(x >> 9) + 0.5) * 2^-23 (SPEC.md) as (1 + (x >> 9) 2^-23) - (1 - 2^-24): the mantissa bits
+// u = (float(x >> 9) + 0.5) * 2^-23 (docs/spec.md) as (1 + (x >> 9) 2^-23) - (1 - 2^-24): the mantissa bits
 // set directly, then one subtraction, exact by Sterbenz's lemma, in place of a conversion, an add and
 // a multiply.
 MARKOV_HD float UnitOfWord(uint32_t x) { return BitCast<float>((x >> 9) | 0x3F800000u) - 0.999999940395355224609375f; }
 
-// g(v) = -log(-log(u)), u = (float(x >> 9) + 0.5) * 2^-23, x = Philox word 0 at (v, position, stream, 0),
-// for N independent (key, v, position) at once (see Philox4x32Word0; WIDE: see MulHiLo). LOGF: on the
-// GPU, the math library's logf and __logf as they stand (the same bits as below).
+// The Gumbel noise of one Philox output word x: g = -log(-log(u)), u = (float(x >> 9) + 0.5) 2^-23
+// (docs/spec.md). LOGF: on the GPU, the math library's logf and __logf as they stand (the same bits as
+// below).
+template <bool LOGF = false>
+MARKOV_HD float GumbelOfWord(uint32_t x) {
+  const float u = UnitOfWord(x);
+#if defined(__CUDA_ARCH__)
+  // The outer log takes the fast log2 (MUFU.LG2; w in [2^-24, 17) is never subnormal, so the ftz
+  // form skips __logf's scaling of subnormals and gives its bits): its error in g is at most 3 ulp of
+  // g (2^-21.4 absolute near w = 1), far inside the near-tie tolerance. The inner one is logf's
+  // (within an ulp): w = -log(u) near u = 1 is tiny, and its relative error becomes g's absolute error.
+  if constexpr (LOGF) {
+    return -__logf(-logf(u));
+  } else {
+    float log2_w;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_w) : "f"(-LogOfUnit(u)));
+    return log2_w * -0.693147182464599609375f;
+  }
+#else
+  return -std::log(-std::log(u));
+#endif
+}
+
+// Version 2 of the draft noise (docs/spec.md): one Philox block gives the noise of four consecutive
+// columns, g(4 q + w) from word w of the block at counter (q, position, kDraftStream, 0).
+// g[i][w] = g(4 block[i] + w) for N independent (key, block, position) at once (WIDE: see MulHiLo).
+template <int N, bool WIDE = false, bool LOGF = false>
+MARKOV_HD void GumbelNoiseBlock(const uint32_t (&k0)[N], const uint32_t (&k1)[N], const uint32_t (&block)[N],
+                                const uint32_t (&position)[N], float (&g)[N][4]) {
+  uint32_t x[N][4];
+  Philox4x32<N, WIDE>(block, position, kDraftStream, k0, k1, x);
+  MARKOV_UNROLL
+  for (int i = 0; i < N; ++i) {
+    MARKOV_UNROLL
+    for (int w = 0; w < 4; ++w) g[i][w] = GumbelOfWord<LOGF>(x[i][w]);
+  }
+}
+
+// Word w (0-3, known at run time) of a block, by selects (no indexed register array).
+MARKOV_HD uint32_t BlockWord(const uint32_t (&x)[4], uint32_t w) {
+  return w == 0 ? x[0] : (w == 1 ? x[1] : (w == 2 ? x[2] : x[3]));
+}
+
+// g(v[i]) for N independent (key, column, position) at once, each from its own block floor(v / 4)
+// (word v mod 4): for columns that share no block. Columns that do should take GumbelNoiseBlock,
+// a quarter of the Philox work.
 template <int N, bool WIDE = false, bool LOGF = false>
 MARKOV_HD void GumbelNoise(const uint32_t (&k0)[N], const uint32_t (&k1)[N], const uint32_t (&v)[N],
                            const uint32_t (&position)[N], float (&g)[N]) {
-  uint32_t x[N];
+  uint32_t block[N], x[N][4];
   MARKOV_UNROLL
-  for (int i = 0; i < N; ++i) x[i] = v[i];
-  Philox4x32Word0<N, WIDE>(x, position, kDraftStream, k0, k1);
+  for (int i = 0; i < N; ++i) block[i] = v[i] >> 2;
+  Philox4x32<N, WIDE>(block, position, kDraftStream, k0, k1, x);
   MARKOV_UNROLL
-  for (int i = 0; i < N; ++i) {
-    const float u = UnitOfWord(x[i]);
-#if defined(__CUDA_ARCH__)
-    // The outer log takes the fast log2 (MUFU.LG2; w in [2^-24, 17) is never subnormal, so the ftz
-    // form skips __logf's scaling of subnormals and gives its bits): its error in g is at most 3 ulp of
-    // g (2^-21.4 absolute near w = 1), far inside the near-tie tolerance. The inner one is logf's
-    // (within an ulp): w = -log(u) near u = 1 is tiny, and its relative error becomes g's absolute error.
-    if constexpr (LOGF) {
-      g[i] = -__logf(-logf(u));
-    } else {
-      float log2_w;
-      asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_w) : "f"(-LogOfUnit(u)));
-      g[i] = log2_w * -0.693147182464599609375f;
-    }
-#else
-    g[i] = -std::log(-std::log(u));
-#endif
-  }
+  for (int i = 0; i < N; ++i) g[i] = GumbelOfWord<LOGF>(BlockWord(x[i], v[i] & 3u));
 }
 
 template <bool LOGF = false>
@@ -162,7 +197,7 @@ MARKOV_HD uint32_t OrderedScore(float score) {
 #endif
 }
 
-// The argmax key: its integer maximum is the SPEC.md choice (largest score, lowest index on ties).
+// The argmax key: its integer maximum is the docs/spec.md choice (largest score, lowest index on ties).
 // 0 is below every real key and marks "no candidate yet".
 MARKOV_HD uint64_t PackArgmaxKey(float score, uint32_t index) {
   return (static_cast<uint64_t>(OrderedScore(score)) << 32) | (0xFFFFFFFFu - index);
