@@ -149,7 +149,9 @@ def _cuda_rule(ctx, *args, params):
         return _reference_rule(ctx, *args, params=params)
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
-    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype)
+    reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype, base_dtype=base.dtype,
+                                            logits_dtype=params.logits_dtype if params.return_logits else None,
+                                            sampling=params.sampling)
     if reason is None and (params.impl == "ffi" or native.cuda_auto_declines(batch, w2.dtype) is None):
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":

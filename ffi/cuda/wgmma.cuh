@@ -1,9 +1,11 @@
-// Warpgroup MMA (wgmma, sm_90a) for the walk kernel and the design-floor probes.
+// Warpgroup MMA (wgmma, sm_90a) for the walk kernels and the design-floor probes.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda/ptx.cuh"
 
 namespace jax_markov {
 
@@ -15,9 +17,6 @@ __device__ __forceinline__ uint64_t WgmmaDescriptor(const void* smem, uint32_t k
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(k_stride >> 4) << 16) | (uint64_t(row_stride >> 4) << 32);
 }
-
-// Shared memory written by ordinary stores, made visible to the tensor cores' reads (async proxy).
-__device__ __forceinline__ void FenceSharedForAsyncProxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Orders register writes before the wgmmas that read them (A operands, accumulators).
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -1,5 +1,5 @@
 // The constants of the walk kernel's design floor, measured by small probe kernels on the GPU they
-// run on (ffi/cuda/probes.cu). benchmarks/design_floor.py turns them into floors.
+// run on (ffi/probes/probes.cu). benchmarks/design_floor.py turns them into floors.
 #pragma once
 
 namespace jax_markov {
@@ -12,7 +12,7 @@ struct DesignConstants {
   double exchange_per_request_s = 0;  // what each further request adds to it (fitted at 128 requests)
   double mma_per_s = 0;               // mma.m16n8k16 (fp16 in, fp32 accumulate) per second, all SMs together
   double wgmma_per_s = 0;             // wgmma m64n64k16 (fp16 in, fp32 accumulate) per second, all SMs together
-  double noise_per_s = 0;             // Gumbel noise values (Philox4x32-10 and two logs) per second, all SMs together
+  double noise_per_s = 0;             // Gumbel noise values (a quarter of a Philox4x32-10 block and two logs each) per second, all SMs together
   double coop_launch_gap_s = 0;       // per back-to-back cooperative launch of an empty kernel
   int sm_count = 0;
   int smem_per_block = 0;  // opt-in maximum of shared memory per block, bytes

@@ -1,5 +1,6 @@
 // Probe kernels that measure the constants of the walk kernel's design floor on the GPU they run on
-// (benchmarks/design_floor.py has the formula that uses them).
+// (benchmarks/design_floor.py has the formula that uses them). Built only with -DJAX_MARKOV_PROBES=ON,
+// into the module `jax_markov._markov_probes` (probes/module.cc).
 //
 // Timing: a warm-up call, then kRuns runs of back-to-back calls between two CUDA events; the result
 // is the median run's time per call. Each run's calls queue behind a sleep kernel, so the events
@@ -15,8 +16,8 @@
 #include <vector>
 
 #include "common/walk_common.h"
-#include "cuda/probes.h"
 #include "cuda/wgmma.cuh"
+#include "probes/probes.h"
 
 namespace jax_markov {
 namespace {
@@ -214,13 +215,20 @@ __global__ void __launch_bounds__(kWalkThreads, 1) WgmmaKernel(int iters, float*
   sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
-// The walk's Gumbel noise (walk_common.h) of `per_thread` consecutive columns per thread, as a
-// sampled row needs one per (request, vocabulary row) and step, with the key and position as run-time
-// values, as in the walk; the xor of their bits is written out, so that the compiler keeps every one.
+// The walk's Gumbel noise (walk_common.h) of `per_thread` consecutive columns per thread (a multiple
+// of 4: one Philox block gives four), as a sampled row needs one per (request, vocabulary row) and
+// step, with the key and position as run-time values, as in the walk; the xor of their bits is written
+// out, so that the compiler keeps every one.
 __global__ void NoiseKernel(int per_thread, uint32_t key0, uint32_t key1, uint32_t position, uint32_t* sink) {
-  const uint32_t first = (blockIdx.x * blockDim.x + threadIdx.x) * uint32_t(per_thread);
+  const uint32_t first_block = (blockIdx.x * blockDim.x + threadIdx.x) * uint32_t(per_thread / 4);
+  const uint32_t k0[1] = {key0}, k1[1] = {key1}, p[1] = {position};
   uint32_t bits = 0;
-  for (int i = 0; i < per_thread; ++i) bits ^= __float_as_uint(GumbelNoise(key0, key1, first + i, position));
+  for (int q = 0; q < per_thread / 4; ++q) {
+    const uint32_t block[1] = {first_block + q};
+    float g[1][4];
+    GumbelNoiseBlock<1>(k0, k1, block, p, g);
+    bits ^= __float_as_uint(g[0][0]) ^ __float_as_uint(g[0][1]) ^ __float_as_uint(g[0][2]) ^ __float_as_uint(g[0][3]);
+  }
   sink[blockIdx.x * blockDim.x + threadIdx.x] = bits;
 }
 

@@ -1,0 +1,298 @@
+// The launch plan (walk_plan.h): which kernel walks each launch and with what resources. Every
+// decision about a launch is made here, once; the kernels read the results from WalkArgs.
+#include "plan/walk_plan.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/smem_layout.h"
+#include "plan/kernel_list.h"
+
+namespace jax_markov {
+namespace walk {
+
+bool KernelKey::operator==(const KernelKey& o) const {
+  return family == o.family && nt == o.nt && split == o.split && digits == o.digits && w2 == o.w2 && threads == o.threads &&
+         staged == o.staged && form == o.form && pairs == o.pairs && eregs == o.eregs && base == o.base &&
+         packed == o.packed && walk == o.walk;
+}
+
+KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bool staged, int form, bool pairs, bool eregs) {
+  KernelKey k;
+  k.family = kWalkFamily;
+  k.nt = nt;
+  k.split = split;
+  k.digits = digits;
+  k.w2 = w2;
+  k.threads = threads;
+  k.staged = staged;
+  k.form = form;
+  k.pairs = pairs;
+  k.eregs = eregs;
+  return k;
+}
+
+KernelKey TransposedKernelKey(int base, bool packed, int walk) {
+  KernelKey k;
+  k.family = kTransposedFamily;
+  k.w2 = kW2Int8;
+  k.base = base;
+  k.packed = packed;
+  k.walk = walk;
+  k.threads = 128 * TransposedWarpgroups(walk, base);
+  return k;
+}
+
+namespace {
+
+int RowsPerCta(int64_t vocab, int sm_count) {
+  const int64_t total_tiles = (vocab + kTileRows - 1) / kTileRows;
+  return int((total_tiles + sm_count - 1) / sm_count * kTileRows);
+}
+
+// Whether each step's Gumbel noise of `batch` requests fits in shared memory ahead of scoring (the
+// fill): small batches make it there, at the price of about one resident W2 tile a request.
+bool NoiseFitsAhead(int batch, int rows_per_cta) { return size_t(batch) * rows_per_cta * sizeof(float) <= size_t(kMaxNoiseBytes); }
+
+// MarkovWalkKernel's shared memory that is not resident tiles, for these variants.
+int WalkFixedBytes(int nt, bool pairs, int warps, int rows_per_cta, int staged_bytes, int noise_ahead_bytes, int noise_tile_bytes,
+                 int out_stage_bytes) {
+  const auto f = [&](auto layout) {
+    return decltype(layout)::Layout(warps, rows_per_cta, staged_bytes, noise_ahead_bytes, noise_tile_bytes, out_stage_bytes).resident;
+  };
+  if (pairs) return nt == 1 ? f(WalkSmem<1, true>()) : f(WalkSmem<2, true>());
+  switch (nt) {
+    case 1: return f(WalkSmem<1, false>());
+    case 2: return f(WalkSmem<2, false>());
+    case 4: return f(WalkSmem<4, false>());
+    default: return f(WalkSmem<8, false>());
+  }
+}
+
+int NoiseTileBytes(int batch) { return WalkSmem<1, false>::NoiseTileFloats(batch) * int(sizeof(float)); }
+
+int OutStageBytes(int nt, bool f32) {
+  switch (nt) {
+    case 1: return WalkSmem<1, false>::OutStageBytes(f32);
+    case 2: return WalkSmem<2, false>::OutStageBytes(f32);
+    case 4: return WalkSmem<4, false>::OutStageBytes(f32);
+    default: return WalkSmem<8, false>::OutStageBytes(f32);
+  }
+}
+
+// A MarkovWalkKernel launch of `batch` requests in the variant <nt, split, digits, pairs, eregs>.
+LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DeviceProperties& props, int nt, bool split, bool digits,
+                          bool pairs = false, bool eregs = false) {
+  LaunchPlan p;
+  p.batch = batch;
+  // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
+  // bytes), since a tile is a chain of latencies that other warps cover; 16-bit W2 tiles and wider
+  // batches hold more registers per lane. EREGS holds e's 64 operand registers a lane beside a
+  // streamed tile's 32: 8 warps (at 12 warps ptxas spills in the tile loop and the walk took 9 % longer).
+  const int threads = eregs ? 256 : (nt <= 2 && call.w2 == kW2Int8 ? 512 : 256);
+  const int warps = threads / 32;
+  const int tile_bytes = kTileElements * W2Bytes(call.w2);
+  p.grid = props.sm_count;
+  const int rows_per_cta = RowsPerCta(call.vocab, p.grid);
+  p.tiles_per_cta = rows_per_cta / kTileRows;
+  // Kernels of up to 16 columns stage each step's base logits in shared memory (one copy a step,
+  // issued before the grid-wide wait), at the price of a few resident W2 tiles. The staging is a
+  // template parameter: chosen at run time, the registers that take the staged logits would also take
+  // global loads, and every wait on them would wait for the global loads in flight.
+  const int esize = ElementBytes(call.base_dtype);
+  const int stage_bytes = batch * rows_per_cta * esize;
+  const bool stage = nt <= 2 && (call.vocab * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
+  p.noise_ahead = call.sampling && NoiseFitsAhead(batch, rows_per_cta);
+  const bool logits = call.logits_dtype != kNone;
+  int form = eregs ? kPlainForm : kAnyForm;
+  if (digits) {  // the digit kernel's instances for the known launch forms
+    const bool logits_form = call.base_dtype == kBF16 && logits && (!call.sampling || p.noise_ahead);
+    if (logits_form && call.logits_dtype == kBF16) {
+      form = kBF16LogitsForm;
+    } else if (logits_form && call.logits_dtype == kF32) {
+      form = kF32LogitsForm;
+    } else if (call.base_dtype == kBF16 && !logits && !call.sampling) {
+      form = kPlainForm;
+    }
+  }
+  p.noise_tiles = MakesNoiseTiles(nt, split, digits) && call.sampling && !p.noise_ahead && !stage && !eregs;
+  // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
+  // that every store is aligned and a tile's rows past V are whole pieces).
+  const bool f32_out = call.logits_dtype == kF32;
+  p.logits_staged = StagesLogits(nt, split, digits, f32_out) && logits && call.vocab % 8 == 0;
+  const int fixed = WalkFixedBytes(nt, pairs, warps, rows_per_cta, stage ? stage_bytes : 0,
+                                 p.noise_ahead ? batch * rows_per_cta * int(sizeof(float)) : 0,
+                                 p.noise_tiles ? NoiseTileBytes(batch) : 0,
+                                 p.logits_staged ? OutStageBytes(nt, f32_out) : 0);
+  p.resident_tiles = std::min(p.tiles_per_cta, (props.smem_per_block - fixed) / tile_bytes);
+  p.smem_bytes = fixed + std::max(p.resident_tiles, 0) * tile_bytes;
+  p.threads = threads;
+  p.kernel = WalkKernelKey(nt, split, digits, call.w2, threads, stage, form, pairs, eregs);
+  return p;
+}
+
+// The transposed kernel: int8 W2 (the caller checks), 17-64 requests (above the direct exchange),
+// V % 8 == 0 and base logits and logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in
+// bf16 and fp16). Logits go out of it only for a bf16 W1: its two int8 digits of e keep 15 bits below
+// e's largest element, all the bits of a bf16 element but its smallest ones, while most fp16 and fp32
+// elements lose some (an fp32 W1's logits came out up to 3.3e-5 off the reference, past the tests'
+// 2e-5; MarkovWalkKernel's hi + lo columns keep them within it).
+bool WalksTransposed(const WalkCall& call, int batch) {
+  const bool logits = call.logits_dtype != kNone;
+  return batch > kDirectBatch && batch <= kMaxBatch && call.vocab % 8 == 0 && call.base_aligned &&
+         (!logits || (call.logits_aligned && call.w1_dtype == kBF16));
+}
+
+int TransposedTilesPerCta(int64_t vocab, int grid) {
+  const int64_t total_tiles = (vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+  return int((total_tiles + grid - 1) / grid);
+}
+
+int TransposedFixedBytes(bool packed, int walk, int base, int tiles_per_cta) {
+  const int rows = tiles_per_cta * kTransposedTileRows;
+  const bool four = TransposedWarpgroups(walk, base) == 4;
+  if (packed) return four ? TransposedSmem<true, false, 4>::FixedBytes(rows) : TransposedSmem<true, false, 3>::FixedBytes(rows);
+  if (walk == kRotatedSampledWalk) return TransposedSmem<false, true, 3>::FixedBytes(rows);
+  return four ? TransposedSmem<false, false, 4>::FixedBytes(rows) : TransposedSmem<false, false, 3>::FixedBytes(rows);
+}
+
+// Whether a layout's CTA fits at all, judged by the largest fixed part of its walks, so that which
+// kernel a launch takes does not depend on whether it samples, on its batch or on its base dtype.
+bool TransposedLayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
+  int largest = 0;
+  for (int walk : {kPlainWalk, kLogitsWalk, kSampledWalk, kRotatedSampledWalk}) {
+    if (packed && walk == kRotatedSampledWalk) continue;
+    for (int base : {kBF16, kF32}) largest = std::max(largest, TransposedFixedBytes(packed, walk, base, tiles_per_cta));
+  }
+  return largest <= props.smem_per_block;
+}
+
+// A launch of the transposed kernel, where it fits (else false).
+bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& props, LaunchPlan* p) {
+  const bool packed = batch <= kPackedMaxBatch;
+  p->batch = batch;
+  p->grid = props.sm_count;
+  p->tiles_per_cta = TransposedTilesPerCta(call.vocab, p->grid);
+  if (!TransposedLayoutFits(packed, p->tiles_per_cta, props)) return false;
+  const bool rotated = !packed && call.sampling && batch <= kRotatedMaxBatch;
+  const int walk = rotated ? kRotatedSampledWalk : call.sampling ? kSampledWalk : call.logits_dtype != kNone ? kLogitsWalk : kPlainWalk;
+  const int fixed = TransposedFixedBytes(packed, walk, call.base_dtype, p->tiles_per_cta);
+  p->resident_tiles = std::min(p->tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
+  p->smem_bytes = fixed + p->resident_tiles * kTransposedTileBytes;
+  p->kernel = TransposedKernelKey(call.base_dtype, packed, walk);
+  p->threads = p->kernel.threads;
+  return true;
+}
+
+// The launch of `batch` requests: which kernel walks it, by batch range (docs/kernel_design.md).
+LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& props) {
+  const bool split = ColumnsPerRequest(call.w2, call.w1_dtype) == 2;
+  const int columns = split ? 2 * batch : batch;
+  const bool logits = call.logits_dtype != kNone;
+  if (call.w2 == kW2Int8) {
+    if (batch <= 2) return PlanWalkKernel(call, batch, props, 1, false, true);
+    LaunchPlan transposed;
+    if (WalksTransposed(call, batch) && PlanTransposed(call, batch, props, &transposed)) return transposed;
+    // 3-8 requests on e's digit pairs (int8 tensor cores): tokens only, or logits out from a bf16 W1,
+    // whose elements the two digits keep but for the smallest ones. At 9-16, where the pairs' two
+    // columns a request take NT = 4, the fp16 path below is faster, but for EREGS's walks.
+    if (batch <= 8 && (!logits || call.w1_dtype == kBF16)) return PlanWalkKernel(call, batch, props, batch <= 4 ? 1 : 2, true, false, true);
+    // 9-16 requests walked greedily with no logits out, bf16 base logits and an even V (32-bit loads
+    // of row pairs): the digit pairs as e's A operand, in registers (EREGS).
+    if (batch > 8 && batch <= kDirectBatch && !call.sampling && !logits && call.base_dtype == kBF16 && call.vocab % 2 == 0) {
+      return PlanWalkKernel(call, batch, props, 2, false, false, false, true);
+    }
+  }
+  const int nt = columns <= 8 ? 1 : columns <= 16 ? 2 : columns <= 32 ? 4 : 8;
+  return PlanWalkKernel(call, batch, props, nt, split, false);
+}
+
+const char* DTypeName(int dtype) { return dtype == kF32 ? "float32" : dtype == kBF16 ? "bfloat16" : "float16"; }
+
+}  // namespace
+
+int ColumnsPerRequest(int w2, int w1_dtype) {
+  if (w2 == kW2BF16) return w1_dtype == kBF16 ? 1 : 2;
+  return w1_dtype == kF32 ? 2 : 1;
+}
+
+int LaunchRequests(int w2, int w1_dtype) { return kMaxBatch / ColumnsPerRequest(w2, w1_dtype); }
+
+std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
+  if (call.w2 != kW2Int8 && call.w2 != kW2F16 && call.w2 != kW2BF16) {
+    return "the CUDA kernel walks an int8 (jax_markov.quantize), float16 or bfloat16 W2";
+  }
+  if (props.major != 9) {
+    return "the CUDA kernel needs an sm_90 GPU, this one is sm_" + std::to_string(props.major) + std::to_string(props.minor);
+  }
+  if (!props.cooperative) return "the GPU does not support cooperative launches";
+  if (call.rank != kRank) return "the CUDA kernel needs rank r = " + std::to_string(kRank) + ", got " + std::to_string(call.rank);
+  if (call.steps < 1 || call.steps > kMaxSteps) {
+    return "the CUDA kernel walks 1 to K = " + std::to_string(kMaxSteps) + " steps, got " + std::to_string(call.steps);
+  }
+  if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
+  const int64_t per_launch = std::min<int64_t>(call.batch, LaunchRequests(call.w2, call.w1_dtype));
+  if (per_launch * call.steps * call.vocab >= (int64_t(1) << 32)) {
+    return "the CUDA kernel addresses one launch's base logits in 32 bits: " + std::to_string(per_launch) + " requests x K = " +
+           std::to_string(call.steps) + " x V = " + std::to_string(call.vocab) + " is not below 2^32";
+  }
+  if (call.w2 == kW2Int8) {
+    // int8 W2 that the chip does not hold must stay in L2 from step to step. (A float W2 streams from
+    // L2 and HBM each step, still well ahead of the reference, which reads all of it each step.)
+    const int64_t columns = std::min<int64_t>(kMaxBatch, call.batch * ColumnsPerRequest(call.w2, call.w1_dtype));
+    int frag_tiles = 1;  // B fragments: 4 KB per 8 columns, in powers of two
+    while (frag_tiles * 8 < columns) frag_tiles *= 2;
+    const int64_t shared_bytes = int64_t(props.sm_count) * (props.smem_per_block - 4096 * (frag_tiles + 1));
+    const int64_t streamed = call.vocab * kRank - shared_bytes;
+    if (streamed > 0.75 * props.l2_bytes) {
+      return "V = " + std::to_string(call.vocab) + " is too large for this GPU: " + std::to_string(streamed >> 20) +
+             " MiB of int8 W2 would not fit in shared memory and would not stay in its " + std::to_string(props.l2_bytes >> 20) +
+             " MiB L2";
+    }
+  }
+  for (const LaunchPlan& p : PlanCall(call, props)) {
+    if (p.resident_tiles < 0) return "the CUDA kernel's shared memory for this walk does not fit the GPU's " + std::to_string(props.smem_per_block) + " bytes a block";
+  }
+  return "";
+}
+
+std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props) {
+  std::vector<LaunchPlan> plans;
+  const int chunk = LaunchRequests(call.w2, call.w1_dtype);
+  for (int64_t first = 0; first < call.batch; first += chunk) {
+    LaunchPlan p = PlanLaunch(call, int(std::min<int64_t>(chunk, call.batch - first)), props);
+    p.first = int(first);
+    plans.push_back(p);
+  }
+  return plans;
+}
+
+std::vector<KernelKey> InstantiatedKernels() {
+  std::vector<KernelKey> keys;
+#define JAX_MARKOV_WALK_KEY(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS) \
+  keys.push_back(WalkKernelKey(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS));
+#define JAX_MARKOV_TRANSPOSED_KEY(BASE, PACKED, WALK) keys.push_back(TransposedKernelKey(BASE, PACKED, WALK));
+  JAX_MARKOV_INT8_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
+  JAX_MARKOV_F16_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
+  JAX_MARKOV_BF16_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
+  JAX_MARKOV_TRANSPOSED_KERNELS(JAX_MARKOV_TRANSPOSED_KEY)
+#undef JAX_MARKOV_WALK_KEY
+#undef JAX_MARKOV_TRANSPOSED_KEY
+  return keys;
+}
+
+std::string KernelName(const KernelKey& k) {
+  const char* w2 = k.w2 == kW2Int8 ? "int8" : k.w2 == kW2F16 ? "f16" : "bf16";
+  if (k.family == kTransposedFamily) {
+    static const char* walks[] = {"plain", "logits", "sampled", "rotated_sampled"};
+    return std::string("transposed<base=") + DTypeName(k.base) + (k.packed ? ",packed" : "") + "," + walks[k.walk] + ">";
+  }
+  static const char* forms[] = {"any", "bf16_logits", "plain", "f32_logits"};
+  return "walk<nt=" + std::to_string(k.nt) + (k.split ? ",split" : "") + (k.digits ? ",digits" : "") + (k.pairs ? ",pairs" : "") +
+         (k.eregs ? ",eregs" : "") + ",w2=" + w2 + ",threads=" + std::to_string(k.threads) + (k.staged ? ",staged" : "") +
+         ",form=" + forms[k.form] + ">";
+}
+
+}  // namespace walk
+}  // namespace jax_markov

@@ -1,0 +1,133 @@
+"""The CUDA walk's launch plan (ffi/plan/), asked through `jax_markov.native` on any machine.
+
+The plan decides, for every launch of a walk, which kernel instance runs it and with what shared
+memory; the CUDA handler executes exactly these plans. These tests walk the plan over a grid of
+shapes and check that every plan names a kernel the build instantiates, fits the GPU, and covers the
+batch; that every instantiated kernel is some call's plan (none is dead); and the batch ranges each
+kernel takes.
+"""
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_markov import native
+
+pytestmark = pytest.mark.skipif(not native.plan_available(), reason="the jax_markov plan module is not built")
+
+H100 = {"sm_count": 132, "smem_per_block": 232448, "l2_bytes": 50 * 2**20, "major": 9, "minor": 0, "cooperative": True}
+H200 = dict(H100, l2_bytes=60 * 2**20)
+SMALL = dict(H100, sm_count=16)  # a part with few SMs: more tiles a CTA, fewer resident
+BATCHES = (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 31, 32, 33, 40, 48, 49, 64, 65, 100, 128, 256)
+VOCABS = (5000, 5003, 20008, 20011, 30010, 129280, 151936)
+W2 = ("int8", "float16", "bfloat16")
+FLOATS = ("bfloat16", "float16", "float32")
+LOGITS = (None, "bfloat16", "float32", "float16")
+
+
+def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props):
+    return native.cuda_launch_plan(batch, steps, vocab, native.cuda_envelope()["rank"], jnp.dtype(w1), jnp.dtype(w2),
+                                   base_dtype=jnp.dtype(base), logits_dtype=None if logits is None else jnp.dtype(logits),
+                                   sampling=sampling, props=props)
+
+
+def _grid(seed=0, count=4000):
+    """A fixed sample of (batch, steps, vocab, w2, w1, base, logits, sampling, props)."""
+    rng = np.random.default_rng(seed)
+    everything = list(itertools.product(BATCHES, (1, 7, 16), VOCABS, W2, FLOATS, FLOATS, LOGITS, (False, True),
+                                        (H100, H200, SMALL)))
+    return [everything[i] for i in rng.choice(len(everything), count, replace=False)]
+
+
+def _supported(case):
+    batch, steps, vocab, w2, w1, base, logits, sampling, props = case
+    return native._markov_plan.unsupported(batch, steps, vocab, native.cuda_envelope()["rank"], w2, w1, base, logits,
+                                           sampling, props) is None
+
+
+def test_every_plan_is_an_instantiated_kernel_that_fits():
+    instantiated = set(native._markov_plan.instantiated_kernels())
+    assert len(instantiated) == len(native._markov_plan.instantiated_kernels()), "each kernel is listed once"
+    envelope = native.cuda_envelope()
+    checked = 0
+    for case in _grid():
+        if not _supported(case):
+            continue
+        batch, steps, vocab, w2, w1, base, logits, sampling, props = case
+        plans = _plans(*case)
+        per_launch = envelope["launch_columns"] // native.cuda_columns_per_request(jnp.dtype(w1), jnp.dtype(w2))
+        assert [p["first"] for p in plans] == list(range(0, batch, per_launch)), case
+        assert sum(p["batch"] for p in plans) == batch
+        for p in plans:
+            assert p["name"] in instantiated, (case, p)
+            assert 0 <= p["resident_tiles"] <= p["tiles_per_cta"], (case, p)
+            assert 0 < p["smem_bytes"] <= props["smem_per_block"], (case, p)
+            assert p["grid"] == props["sm_count"] and p["threads"] in (256, 384, 512)
+            assert not (p["noise_ahead"] and p["noise_tiles"]), "a launch makes its noise one way"
+            assert sampling or not (p["noise_ahead"] or p["noise_tiles"]), "greedy launches make no noise"
+            if p["family"] == "transposed":
+                assert w2 == "int8" and 16 < p["batch"] <= 64 and vocab % 8 == 0, (case, p)
+        checked += 1
+    assert checked > 1500
+
+
+def test_every_instantiated_kernel_is_some_plan():
+    """No instance is dead: each is the plan of some call in a wider grid."""
+    planned = set()
+    for case in itertools.product(BATCHES, (7,), VOCABS, W2, FLOATS, FLOATS, LOGITS, (False, True), (H100,)):
+        if _supported(case):
+            planned.update(p["name"] for p in _plans(*case))
+    assert planned == set(native._markov_plan.instantiated_kernels())
+
+
+@pytest.mark.parametrize("batch, sampling, logits, kernel", [
+    (1, False, None, "walk<nt=1,digits,w2=int8,threads=512,staged,form=plain>"),
+    (2, True, "bfloat16", "walk<nt=1,digits,w2=int8,threads=512,staged,form=bf16_logits>"),
+    (2, True, None, "walk<nt=1,digits,w2=int8,threads=512,staged,form=any>"),
+    (3, False, None, "walk<nt=1,split,pairs,w2=int8,threads=512,staged,form=any>"),
+    (8, True, "bfloat16", "walk<nt=2,split,pairs,w2=int8,threads=512,form=any>"),
+    (9, False, None, "walk<nt=2,eregs,w2=int8,threads=256,form=plain>"),
+    (16, True, "bfloat16", "walk<nt=2,w2=int8,threads=512,form=any>"),
+    (17, False, None, "transposed<base=bfloat16,packed,plain>"),
+    (32, True, "bfloat16", "transposed<base=bfloat16,packed,sampled>"),
+    (40, True, "bfloat16", "transposed<base=bfloat16,rotated_sampled>"),
+    (64, False, "bfloat16", "transposed<base=bfloat16,logits>"),
+    (64, True, "bfloat16", "transposed<base=bfloat16,sampled>"),
+])
+def test_batch_ranges_take_their_kernels(batch, sampling, logits, kernel):
+    """docs/kernel_design.md's batch ranges, at V = 151936 with bf16 base logits and W1 on an H100."""
+    (plan,) = _plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", logits, sampling, H100)
+    assert plan["name"] == kernel
+
+
+def test_noise_is_made_where_it_is_used():
+    """No sampled launch needs scratch: small batches make each step's noise ahead in shared memory,
+    9-16 requests in MarkovWalkKernel a tile at a time (noise tiles), the transposed kernel in its
+    epilogue."""
+    (small,) = _plans(2, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    (mid,) = _plans(16, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    (wide,) = _plans(64, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    assert small["noise_ahead"] and not small["noise_tiles"]
+    assert mid["noise_tiles"] and not mid["noise_ahead"]
+    assert wide["family"] == "transposed"
+    (bf16_wide,) = _plans(64, 7, 151936, "bfloat16", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    assert bf16_wide["noise_tiles"]
+
+
+def test_envelope_refusals_name_the_limit():
+    rank = native.cuda_envelope()["rank"]
+    unsupported = native._markov_plan.unsupported
+    assert "r = 256, got 128" in unsupported(1, 7, 5000, 128, "int8", "bfloat16", "bfloat16", None, False, H100)
+    assert "K = 16 steps, got 17" in unsupported(1, 17, 5000, rank, "int8", "bfloat16", "bfloat16", None, False, H100)
+    assert "W2, got float32" in unsupported(1, 7, 5000, rank, "float32", "bfloat16", "bfloat16", None, False, H100)
+    assert "sm_80" in unsupported(1, 7, 5000, rank, "int8", "bfloat16", "bfloat16", None, False, dict(H100, major=8))
+    assert "cooperative" in unsupported(1, 7, 5000, rank, "int8", "bfloat16", "bfloat16", None, False,
+                                        dict(H100, cooperative=False))
+    assert "L2" in unsupported(1, 7, 400000, rank, "int8", "bfloat16", "bfloat16", None, False, H100)
+    with pytest.raises(ValueError, match="L2"):
+        _plans(1, 7, 400000, "int8", "bfloat16", "bfloat16", None, False, H100)
+    with pytest.raises(ValueError, match="got float64"):
+        _plans(1, 7, 5000, "int8", "float64", "bfloat16", None, False, H100)
