@@ -34,6 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+if not __package__:  # run as `python3 benchmarks/benchmark_markov_walk.py`: `benchmarks` imports from the repository
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RANK = 256
@@ -208,7 +211,7 @@ def run_gpu(args) -> None:
     if not gpus or not native.cuda_available():
         print("no CUDA GPU with the jax_markov CUDA module here: GPU rows skipped", flush=True)
         return
-    import gpu_timing
+    from benchmarks import gpu_timing
 
     name = gpus[0].device_kind.split()[-1].lower()
     gpu_timing.main(["--out", str(RESULTS / name)] + (["--quick"] if args.quick else []))

@@ -15,14 +15,17 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_markov as jm
+if not __package__:  # run as `python3 benchmarks/gpu_timing.py`: `benchmarks` imports from the repository
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
 
-import design_floor
+import jax_markov as jm  # noqa: E402
+from benchmarks import design_floor  # noqa: E402
 
 N_SETS = 4
 ROWS = [(151936, 7, 1), (151936, 7, 16), (151936, 7, 64), (151936, 16, 1), (129280, 5, 1), (129280, 5, 64),

@@ -2,19 +2,13 @@
 kernels on the GPU (skipped cleanly without one)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import jax
 import pytest
 
+from benchmarks import design_floor
 from jax_markov import native
-
-_spec = importlib.util.spec_from_file_location(
-    "design_floor", Path(__file__).resolve().parents[1] / "benchmarks" / "design_floor.py")
-design_floor = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(design_floor)
 
 
 def _has_gpu() -> bool:

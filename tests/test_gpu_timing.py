@@ -1,17 +1,9 @@
 """benchmarks/gpu_timing.py's device-time arithmetic (CPU): busy time per program from device events."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCH))  # gpu_timing imports design_floor
-_spec = importlib.util.spec_from_file_location("gpu_timing", _BENCH / "gpu_timing.py")
-gpu_timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_timing)
+from benchmarks import gpu_timing
 
 
 def test_busy_per_program_counts_overlaps_once_and_skips_gaps():

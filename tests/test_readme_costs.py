@@ -1,13 +1,7 @@
 """The README's kernel-cost section is what benchmarks/readme_costs.py makes of the committed results."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location(
-    "readme_costs", Path(__file__).resolve().parents[1] / "benchmarks" / "readme_costs.py")
-readme_costs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(readme_costs)
+from benchmarks import readme_costs
 
 
 def test_readme_section_matches_the_results():
