@@ -25,8 +25,8 @@ iteration (first kernel start to last kernel end of a run, so launch gaps count)
 same loop without the walk, median over the repeats. Measured with XLA's default command buffers in
 this process (with --xla_enable_command_buffers_during_profiling=true: XLA runs them op by op under a
 profiler otherwise) and with command buffers off (--xla_gpu_enable_command_buffer=) in a child
-process, since XLA reads its flags once, at start: main() sets them, so it must run before anything
-in its process uses JAX (benchmark_markov_walk.py starts it as a process of its own).
+process for each row, since XLA reads its flags once, at start: main() sets them, so it must run
+before anything in its process uses JAX (benchmark_markov_walk.py starts it as a process of its own).
 
 Memory per call: the head's persistent layouts (W1 and the W2 the arm walks: int8 + fp32 scales, or
 bf16) and the scratch that XLA allocates for one walk (the compiled executable's temp size).
@@ -331,11 +331,12 @@ def mode_arms(mode: str, arms=None) -> tuple:
 
 
 def run_gpu(rows=ROWS, modes=MODES, arms=None, repeats: int = 15, iterations: int = DECODE_ITERATIONS,
-            log=print, on_row=None):
+            log=print, on_row=None, without_command_buffers: bool = False):
     """Times the arms of every row and mode; returns the copy bandwidth, the design constants that the
-    probe kernels measured (None without them) and one measured row dict per (row, mode, arm).
-    on_row(bandwidth, constants, rows so far) runs after each row, so that a long run leaves its
-    table as it goes."""
+    probe kernels measured (None without them) and one measured row dict per (row, mode, arm). With
+    without_command_buffers, each row's decode loops are also timed in a child process with command
+    buffers off. on_row(bandwidth, constants, rows so far) runs after each row, so that a long run
+    leaves its table as it goes."""
     constants = design_floor.measure()
     bandwidth = constants["hbm_copy_bytes_per_s"] if constants else measure_copy_bandwidth()
     log(f"measured copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
@@ -358,6 +359,9 @@ def run_gpu(rows=ROWS, modes=MODES, arms=None, repeats: int = 15, iterations: in
                     f"{row['wall_us']:9.1f} us wall {fmt(row['decode_loop_us'], '9.1f')} us/iter decode loop "
                     f"{memory['scratch_bytes'] / 1e6:8.1f} MB scratch")
         del sets, heads, base
+        if without_command_buffers:
+            add_no_command_buffer_loops(results, run_decode_loops_without_command_buffers(
+                [(vocab, steps, batch)], modes, arms, repeats, iterations, log))
         if on_row is not None:
             on_row(bandwidth, constants, results)
     return bandwidth, constants, results
@@ -399,8 +403,8 @@ def no_command_buffer_flags() -> str:
 
 
 def run_decode_loops_without_command_buffers(rows, modes, arms, repeats: int, iterations: int, log=print) -> list[dict]:
-    """run_decode_loops in a child process whose XLA has command buffers off; [] (with a warning) if
-    it fails."""
+    """run_decode_loops in a child process whose XLA has command buffers off (this process's flags
+    are fixed at its start); [] (with a warning) if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "decode_loops.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--decode-loop-only", str(path),
@@ -780,9 +784,7 @@ def main(argv=None):
 
     log = lambda s: print(s, flush=True)  # noqa: E731
     bandwidth, constants, results = run_gpu(rows, args.modes, args.arms, args.repeats, args.iterations, log=log,
-                                            on_row=report)
-    add_no_command_buffer_loops(results, run_decode_loops_without_command_buffers(
-        rows, args.modes, args.arms, args.repeats, args.iterations, log=log))
+                                            on_row=report, without_command_buffers=True)
     print(report(bandwidth, constants, results))
 
 

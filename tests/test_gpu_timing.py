@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +272,15 @@ def test_a_run_without_device_activity_still_writes_its_table(tmp_path, monkeypa
     assert all(r["us"] > 0 and r["decode_loop_us"] is None and r["scratch_bytes"] >= 0 for r in rows)
     text = gpu_timing.write_table(table_of(rows, jax_version=jax.__version__), tmp_path / "t")
     assert text.count("| 1024 | 3 | 2 |") == 5 + 1  # five arm rows, one ratio row
+
+
+def test_the_child_process_for_command_buffers_off_runs_and_answers():
+    """The child's command line and its answer file (on the CPU it finds no device activity: no rows)."""
+    logged = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a child that fails warns
+        loops = gpu_timing.run_decode_loops_without_command_buffers([(1024, 3, 2)], ["greedy"], ["kernel-int8"],
+                                                                    repeats=2, iterations=2, log=logged.append)
+    assert loops == []
+    assert "--xla_gpu_enable_command_buffer=" in logged[0] and "--decode-loop-only" in logged[0]
+    assert "--rows 1024,3,2 --modes greedy" in logged[0]
