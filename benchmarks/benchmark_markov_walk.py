@@ -196,7 +196,8 @@ def _cpu_rows(args, bandwidth: float) -> list[dict]:
 def run_gpu(args) -> None:
     """On a machine with a CUDA GPU and the jax_markov CUDA module: the GPU table of
     benchmarks/gpu_timing.py (eager walk, reference on the int8 head, kernel), written to
-    benchmarks/results/<gpu>.md/.json/.png. Elsewhere nothing."""
+    benchmarks/results/<gpu>.md/.json/.png, in a process of its own (it sets XLA's flags, which a
+    process reads once). Elsewhere nothing."""
     import jax
 
     from jax_markov import native
@@ -208,10 +209,8 @@ def run_gpu(args) -> None:
     if not gpus or not native.cuda_available():
         print("no CUDA GPU with the jax_markov CUDA module here: GPU rows skipped", flush=True)
         return
-    import gpu_timing
-
-    name = gpus[0].device_kind.split()[-1].lower()
-    gpu_timing.main(["--out", str(RESULTS / name)] + (["--quick"] if args.quick else []))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_timing.py"), *(["--quick"] if args.quick else [])],
+                   check=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,6 +273,8 @@ def main(argv=None):
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT) if argv is None else "benchmarks/benchmark_markov_walk.py"
     command = "python3 " + shlex.join([script, *(sys.argv[1:] if argv is None else argv)])
 
+    # The GPU table's process (run_gpu) needs the GPU's memory, which JAX would preallocate here.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jaxlib
 

@@ -41,13 +41,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import jax_markov  # noqa: E402  (the installed package, with its custom calls)
-except ImportError:  # a source checkout that is not installed
-    sys.path.insert(0, str(ROOT))
-    import jax_markov  # noqa: E402
+if not __package__:  # run as `python3 benchmarks/benchmark_sharding.py`: `benchmarks` imports from the repository
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
+
+import jax_markov  # noqa: E402
+from benchmarks.benchmark_markov_walk import cpu_model, git_commit  # noqa: E402
 from jax_markov import native, sharding  # noqa: E402
-from benchmark_markov_walk import cpu_model, git_commit  # noqa: E402  (same folder)
 
 
 def commit_line() -> str:

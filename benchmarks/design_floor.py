@@ -1,6 +1,7 @@
 """Design floor of the cooperative walk kernel: the time its design (int8 W2 kept in shared memory and
 L2, tensor-core scoring, one grid-wide exchange per step) could reach on this GPU, beside the bytes
-floor. Probe kernels (ffi/cuda/probes.cu) measure the constants on the GPU that runs the benchmark.
+floor. Probe kernels (ffi/cuda/probes.cu, the module jax_markov._markov_probes of a build with
+-DJAX_MARKOV_PROBES=ON) measure the constants on the GPU that runs the benchmark.
 
 For a walk of K steps over B requests, a vocabulary of V and rank r = 256:
 
@@ -35,9 +36,9 @@ import warnings
 import jax
 
 try:
-    from jax_markov import _markov_cuda
-except ImportError:  # built without nvcc, or no CUDA runtime on this machine
-    _markov_cuda = None
+    from jax_markov import _markov_probes
+except ImportError:  # built without -DJAX_MARKOV_PROBES=ON (the default) or without nvcc
+    _markov_probes = None
 
 RANK = 256
 FIXED_SMEM_BYTES = 12 * 1024
@@ -53,12 +54,10 @@ def measure(device=None) -> dict | None:
     hbm_copy_bytes_per_s, smem_read_bytes_per_s, l2_read_bytes_per_s, exchange_s,
     exchange_per_request_s, mma_per_s, wgmma_per_s, noise_per_s, coop_launch_gap_s, sm_count and
     smem_per_block.
-    Without the CUDA module or a CUDA GPU it warns why (RuntimeWarning) and returns None."""
+    Without the probe module or a CUDA GPU it warns why (RuntimeWarning) and returns None."""
     reason = None
-    if _markov_cuda is None:
-        reason = "the jax_markov CUDA module is not built (nvcc was not found at install time)"
-    elif not hasattr(_markov_cuda, "measure_design_constants"):
-        reason = "the installed jax_markov CUDA module has no probes: reinstall it (pip install .)"
+    if _markov_probes is None:
+        reason = "the probe kernels are not built (jax_markov._markov_probes: cmake -DJAX_MARKOV_PROBES=ON)"
     elif device is None:
         try:
             device = jax.devices("cuda")[0]
@@ -67,7 +66,7 @@ def measure(device=None) -> dict | None:
     if reason is not None:
         warnings.warn(f"design floor not measured: {reason}", RuntimeWarning, stacklevel=2)
         return None
-    return dict(_markov_cuda.measure_design_constants(device.local_hardware_id))
+    return dict(_markov_probes.measure_design_constants(device.local_hardware_id))
 
 
 def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, out_bytes: int, sm_count: int,

@@ -28,12 +28,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 
-import profile_kernel
-from jax_markov import native
+if not __package__:  # run as `python3 benchmarks/timeline.py`: `benchmarks` imports from the repository
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
+
+from benchmarks import profile_kernel  # noqa: E402
+from jax_markov import native  # noqa: E402
 
 PHASES = 6  # walk_kernel.cuh: kPhases
 MAX_STEPS = 16  # kMaxSteps

@@ -22,10 +22,13 @@ import sys
 import numpy as np
 import pytest
 
-try:
-    import jax_markov  # noqa: F401
-except ImportError:  # a source checkout that is not installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The tests import the benchmark scripts as `from benchmarks import ...`; `benchmarks` lives in the
+# repository root, which is not installed. The root goes at the END of sys.path: the installed
+# jax_markov (site-packages, with its compiled modules) still comes first, and a source checkout
+# that is not installed finds its jax_markov here.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 import jax
 import jax.numpy as jnp

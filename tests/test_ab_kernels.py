@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import ab_kernels  # noqa: E402
+from benchmarks import ab_kernels
 
 
 def ncu_report(values_with_units):

@@ -1,20 +1,14 @@
 """benchmarks/design_floor.py: the floor formula against hand-computed values (CPU), and the probe
-kernels on the GPU (skipped cleanly without one)."""
+kernels on the GPU (skipped cleanly without one or without a build of them)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import jax
 import pytest
 
+from benchmarks import design_floor
 from jax_markov import native
-
-_spec = importlib.util.spec_from_file_location(
-    "design_floor", Path(__file__).resolve().parents[1] / "benchmarks" / "design_floor.py")
-design_floor = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(design_floor)
 
 
 def _has_gpu() -> bool:
@@ -22,6 +16,11 @@ def _has_gpu() -> bool:
         return bool(jax.devices("cuda"))
     except RuntimeError:
         return False
+
+
+def _has_probes() -> bool:
+    """A CUDA GPU, and the probe kernels built (-DJAX_MARKOV_PROBES=ON) beside the CUDA module."""
+    return _has_gpu() and native.cuda_available() and design_floor._markov_probes is not None
 
 
 # Round numbers: V = 160000 gives 10000 row tiles and 40.96 MB of int8 W2 (+ 0.64 MB of scales);
@@ -110,14 +109,13 @@ def test_report_has_every_row():
             assert f"| {V_} | {K} | {B} | {mode} |" in table
 
 
-@pytest.mark.skipif(_has_gpu() and native.cuda_available(), reason="checks the CPU-only answer")
-def test_measure_without_gpu_warns_and_returns_none():
+@pytest.mark.skipif(_has_probes(), reason="checks the answer without a GPU or without the probes")
+def test_measure_without_gpu_or_probes_warns_and_returns_none():
     with pytest.warns(RuntimeWarning, match="design floor not measured"):
         assert design_floor.measure() is None
 
 
-@pytest.mark.skipif(not (_has_gpu() and native.cuda_available()),
-                    reason="needs a CUDA GPU and the jax_markov CUDA module")
+@pytest.mark.skipif(not _has_probes(), reason="needs a CUDA GPU and the probe kernels (-DJAX_MARKOV_PROBES=ON)")
 def test_measure_on_gpu_gives_plausible_constants():
     device = jax.devices("cuda")[0]
     c = design_floor.measure(device)

@@ -1,14 +1,10 @@
 """benchmarks/profile_kernel.py's config parsing (CPU): the modes it runs and the ones it refuses."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import profile_kernel  # noqa: E402
+from benchmarks import profile_kernel
 
 
 def test_configs_parse_with_the_int8_head_by_default():

@@ -1,11 +1,7 @@
 """benchmarks/stall_profile.py's summary of an ncu SASS source page (CPU)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import stall_profile  # noqa: E402
+from benchmarks import stall_profile
 
 # The shape of `ncu --page source --csv --print-source sass`: a kernel line, then one row per instruction.
 CSV = "\n".join([

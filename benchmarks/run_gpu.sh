@@ -1,55 +1,80 @@
 #!/usr/bin/env bash
-# All the GPU evidence of one kernel version in one run on an H100/H200 (about 9 minutes):
-# builds the module and its timeline variant, runs the GPU tests (three shards side by side), the
-# per-phase timeline, the benchmark table, then compute-sanitizer on a small shape.
+# The GPU evidence of one kernel version on an H100 or H200, in parts that each fit well under the
+# device tool's 10 minutes a command (the build, about 2 minutes, included):
 #
-#     bash benchmarks/run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]
+#     bash benchmarks/run_gpu.sh OUT_DIR [tests|sanitizers|table|timeline ...] [-- gpu_timing.py options]
 #
-# Writes into OUT_DIR: h200_test_cuda.log, h200_timeline.{md,json}, h200.{md,json,png},
-# h200_gpu_timing.log, h200_memcheck.log, h200_racecheck.log (copy them to benchmarks/results/ and
-# logs/ as they are). The commit recorded in the tables is $JAX_MARKOV_COMMIT or git's HEAD; set it
-# on the device tool's machine, where git's HEAD has named an older commit than the tree that ran
-# (the script refuses to run without it where the tracked files differ from HEAD's).
+# It builds the CUDA and CPU modules once, with the design-floor probes (-DJAX_MARKOV_PROBES=ON; the
+# timeline part also builds the timeline variant), and names every output after the GPU (<gpu> is
+# h100 or h200: benchmarks/gpu_timing.py's results_name of nvidia-smi's name). Into OUT_DIR:
+#   tests       <gpu>_test_cuda.log: tests/test_cuda.py and tests/test_design_floor.py, three shards side by side
+#   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes
+#   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
+#               options after --; the whole table takes longer than one command may, so give each call a
+#               few rows (--rows V,K,B ...) and join the calls' <gpu>.json with gpu_timing.py --merge
+#   timeline    <gpu>_timeline.{md,json}: benchmarks/timeline.py on the timeline build
+# With no part named it runs all four. The commit recorded in the tables is $JAX_MARKOV_COMMIT or
+# git's HEAD; set it on the device tool's machine, where git's HEAD has named an older commit than the
+# tree that ran (the script refuses to run without it where the tracked files differ from HEAD's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_h200.sh OUT_DIR [tests|timeline|table|sanitizers ...]}
+usage="usage: run_gpu.sh OUT_DIR [tests|sanitizers|table|timeline ...] [-- gpu_timing.py options]"
+out=${1:?$usage}
+shift
+parts=() table_args=()
+while (($#)); do
+  if [[ $1 == -- ]]; then
+    shift
+    table_args=("$@")
+    break
+  fi
+  parts+=("$1")
+  shift
+done
+((${#parts[@]})) || parts=(tests timeline table sanitizers)
+for part in "${parts[@]}"; do
+  [[ $part =~ ^(tests|sanitizers|table|timeline)$ ]] || { echo "unknown part: $part; $usage" >&2; exit 2; }
+done
 if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && git rev-parse --is-inside-work-tree > /dev/null 2>&1 && ! git diff --quiet HEAD --; then
-  echo "run_h200.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
+  echo "run_gpu.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
   exit 2
 fi
-shift
-parts=${*:-tests timeline table sanitizers}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 py=$(command -v python3)
+gpu_kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+[[ -n $gpu_kind ]] || { echo "run_gpu.sh: nvidia-smi names no GPU" >&2; exit 1; }
+gpu=$(PYTHONPATH=$PWD python3 -c 'import sys; from benchmarks.gpu_timing import results_name; print(results_name(sys.argv[1]))' \
+  "$gpu_kind") || exit 1
 
-build() {  # build DIR [cmake options]: the CPU and CUDA modules, from scratch (a warm machine may hold
+build() {  # build DIR [cmake options]: every module of the tree, from scratch (a warm machine may hold
   local dir=$1  # DIR from another tree, whose CMake cache would refuse this one)
   shift
   rm -rf "$dir"
   cmake -S . -B "$dir" -G Ninja -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release "$@" > "$dir.log" 2>&1 &&
-    ninja -C "$dir" _markov_cuda _markov_cpu >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
+    ninja -C "$dir" >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
 }
-build /tmp/jm_build & plain=$!
+build /tmp/jm_build -DJAX_MARKOV_PROBES=ON & plain=$!
 timeline=
-if [[ " $parts " == *" timeline "* ]]; then
+if [[ " ${parts[*]} " == *" timeline "* ]]; then
   build /tmp/jm_timeline -DJAX_MARKOV_TIMELINE=ON & timeline=$!
 fi
 wait $plain || exit 1
 cp /tmp/jm_build/_markov_*.so jax_markov/
 export PYTHONPATH=$PWD
 commit=${JAX_MARKOV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export JAX_MARKOV_COMMIT=$commit
 # The first lines of every log: where it came from.
 header() {
-  echo "# bash benchmarks/run_h200.sh OUT $parts ($1)"
-  echo "# commit $commit; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); jax $(python3 -c 'import jax; print(jax.__version__)')"
+  echo "# bash benchmarks/run_gpu.sh OUT ${parts[*]} ${table_args[*]:+-- ${table_args[*]}} ($1)"
+  echo "# commit $commit; $gpu_kind; jax $(python3 -c 'import jax; print(jax.__version__)')"
 }
 
-for part in $parts; do
+for part in "${parts[@]}"; do
   case $part in
     tests)
       # Three shards side by side; the third is whatever the first two leave, so that every GPU test
-      # runs exactly once (tests/test_run_h200_shards.py).
+      # runs exactly once (tests/test_run_gpu_shards.py).
       files="tests/test_cuda.py tests/test_design_floor.py"
       k1="(benchmark_shapes and not bf16) or sampled or transposed"
       k2="float_head or bf16 or large_batches or beyond_one_launch"
@@ -57,23 +82,25 @@ for part in $parts; do
       python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k2" > /tmp/jm_t2.log 2>&1 & t2=$!
       python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "not ($k1) and not ($k2)" > /tmp/jm_t3.log 2>&1 & t3=$!
       wait $t1 $t2 $t3  # not the timeline build, which the timeline part waits for
-      { header tests; cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log; } > "$out/h200_test_cuda.log"
-      grep -E "passed|failed" "$out/h200_test_cuda.log"
+      { header tests; cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log; } > "$out/${gpu}_test_cuda.log"
+      grep -E "passed|failed" "$out/${gpu}_test_cuda.log"
       ;;
     timeline)
       wait $timeline || continue
       rm -rf /tmp/jm_tlpkg && mkdir -p /tmp/jm_tlpkg && cp -r jax_markov /tmp/jm_tlpkg/ &&
         cp /tmp/jm_timeline/_markov_cuda*.so /tmp/jm_tlpkg/jax_markov/
-      (cd benchmarks && PYTHONPATH=/tmp/jm_tlpkg python3 timeline.py --out "$out/h200_timeline" \
+      # The script's own folder and then /tmp/jm_tlpkg come first on sys.path: its jax_markov is the
+      # timeline build's.
+      PYTHONPATH=/tmp/jm_tlpkg python3 benchmarks/timeline.py --out "$out/${gpu}_timeline" \
         151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,16,probabilistic 151936,7,64,greedy \
         151936,7,64,probabilistic \
-        151936,7,1,greedy,bf16 151936,7,16,greedy,bf16) > /tmp/jm_timeline_run.log 2>&1 ||
+        151936,7,1,greedy,bf16 151936,7,16,greedy,bf16 > /tmp/jm_timeline_run.log 2>&1 ||
         tail -20 /tmp/jm_timeline_run.log
       ;;
     table)
-      python3 benchmarks/gpu_timing.py --out "$out/h200" --repeats 5 > "$out/h200_gpu_timing.log" 2>&1 ||
-        tail -20 "$out/h200_gpu_timing.log"
-      grep -E "kernel \(int8\)" "$out/h200.md"
+      { header table; python3 benchmarks/gpu_timing.py --out "$out/$gpu" --repeats 5 "${table_args[@]}"; } \
+        > "$out/${gpu}_gpu_timing.log" 2>&1 || tail -20 "$out/${gpu}_gpu_timing.log"
+      grep -E "^- (greedy|probabilistic): " "$out/$gpu.md"
       ;;
     sanitizers)
       # 20011,2,40 probabilistic: its noise does not fit in shared memory, so MarkovWalkNoise makes it
@@ -91,7 +118,7 @@ for part in $parts; do
       # take them in reverse): 151936,2,1 greedy in the digit kernel's instance for tokens only,
       # 151936,3,2 probabilistic in its instance for logits out, 151936,2,4 greedy on the digit pairs,
       # 151936,2,1,greedy,bf16 in the bf16 head's kernel. One sanitizer run a shape here: memcheck
-      # crashed (a segmentation fault, no error reported) on the third in one process (Session 30).
+      # once crashed (a segmentation fault, no error reported) on the third in one process.
       streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,1,greedy,bf16"
       for tool in memcheck racecheck; do
         {
@@ -100,10 +127,9 @@ for part in $parts; do
             compute-sanitizer --tool $tool python3 benchmarks/profile_kernel.py $shapes 2>&1 ||
               echo "# compute-sanitizer exited with status $? on $shapes"
           done
-        } > "$out/h200_$tool.log"
-        grep -E "SUMMARY|exited with" "$out/h200_$tool.log"
+        } > "$out/${gpu}_$tool.log"
+        grep -E "SUMMARY|exited with" "$out/${gpu}_$tool.log"
       done
       ;;
-    *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

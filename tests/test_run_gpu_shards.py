@@ -1,4 +1,4 @@
-"""benchmarks/run_h200.sh's GPU test shards (CPU): together they run every GPU test exactly once."""
+"""benchmarks/run_gpu.sh's GPU test shards (CPU): together they run every GPU test exactly once."""
 from __future__ import annotations
 
 import re
@@ -15,7 +15,7 @@ _SHARD = re.compile(r'--durations=12 (\S+) -k "([^"]+)"')
 
 def shards():
     """Each shard's files and -k expression, with the script's variables put in."""
-    script = (ROOT / "benchmarks" / "run_h200.sh").read_text()
+    script = (ROOT / "benchmarks" / "run_gpu.sh").read_text()
     variables = dict(_VARIABLE.findall(script))
 
     def expand(text):
