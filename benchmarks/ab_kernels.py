@@ -133,11 +133,12 @@ def tokens_summary(fingerprints: dict[str, dict[str, str]], configs: list[str]) 
 
 
 def build(tree: Path) -> None:
-    """Builds the tree's CUDA and CPU modules into /tmp and copies them into its jax_markov/."""
+    """Builds the tree's modules (all of its build's default targets) into /tmp and copies them into its
+    jax_markov/."""
     build_dir = Path("/tmp") / f"ab_build_{tree_name(tree)}"
     cmake = ["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", f"-DPython_EXECUTABLE={sys.executable}",
              "-DCMAKE_BUILD_TYPE=Release"]
-    for cmd in (cmake, ["ninja", "-C", str(build_dir), "_markov_cuda", "_markov_cpu"]):
+    for cmd in (cmake, ["ninja", "-C", str(build_dir)]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"building {tree} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")

@@ -110,10 +110,8 @@ def gpu_section(name: str, table: dict, timeline: dict | None) -> list[str]:
                   "`issue`: the next step's choice-free loads; `wait`: the grid-wide wait; `e ready`: the chosen "
                   "token's W1 row turned into MMA operands; `score`: the CTA's W2 tiles scored and reduced; "
                   "`publish`: the keys published and the arrival counted. Step 0 also loads W2 from HBM. `kernel us` "
-                  "is the walk kernel's own span: a sampled launch of 9 or more requests that MarkovWalkKernel walks, "
-                  "whose noise does not fit in shared memory, first has it made by a kernel of its own "
-                  "(MarkovWalkNoise), which the table's per-call figures include and `kernel us` does not; the "
-                  "transposed kernel (17-64 requests) makes it as it scores.", ""]
+                  "is the walk kernel's own span; every kernel makes its sampled rows' noise itself, where it scores "
+                  "them.", ""]
         lines += phase_table(timeline)
     return lines
 

@@ -4,7 +4,7 @@ Needs the timeline build of the CUDA module, in which thread 0 of each CTA stamp
 every phase of every step and lane 0 of each warp when its tiles are scored:
 
     cmake -S . -B /tmp/tl -G Ninja -DJAX_MARKOV_TIMELINE=ON -DPython_EXECUTABLE=$(which python3) \\
-        && ninja -C /tmp/tl _markov_cuda _markov_cpu && cp /tmp/tl/_markov_*.so jax_markov/
+        && ninja -C /tmp/tl && cp /tmp/tl/_markov_*.so jax_markov/
     python3 benchmarks/timeline.py --out benchmarks/results/h200_timeline 151936,7,1,greedy
     python3 benchmarks/timeline.py --render benchmarks/results/h200_timeline.json  # its .md again
 

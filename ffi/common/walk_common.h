@@ -22,7 +22,7 @@ constexpr uint32_t kDraftStream = 0x40000000u;
 // ptxas emits as IMAD.WIDE.U32, and otherwise __umulhi and a low multiply, which it often splits into
 // IMAD.HI + IMAD: the transposed kernel's sampled epilogue, bound by these multiplies, issues 10 %
 // fewer instructions WIDE, while MarkovWalkKernel's bf16-W2 kernel of 64 columns then spills 104 bytes
-// (32 split) and its B = 64 walks took 15 % longer on the H200 (benchmarks/NOTES.md, Session 19).
+// (32 split) and its B = 64 walks took 15 % longer on the H200.
 template <bool WIDE>
 MARKOV_HD void MulHiLo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
 #if defined(__CUDA_ARCH__)
@@ -207,7 +207,7 @@ MARKOV_HD uint32_t ArgmaxKeyIndex(uint64_t key) { return 0xFFFFFFFFu - static_ca
 
 // Where the CUDA walk's grid-wide exchange takes one atomicMax per request, each request's key lies on
 // a 128-byte line of its own (keys kKeyStride words apart), so that the atomics of different requests
-// meet in different L2 slices rather than queueing on a few lines (benchmarks/NOTES.md, Session 36).
+// meet in different L2 slices rather than queueing on a few lines.
 constexpr int kKeyStride = 16;
 
 MARKOV_HD int32_t ClampIndex(int64_t id, int64_t size) {

@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) Mar
       // l = base + (scale x dot) x unscale x logit_scale, rounded as MarkovWalkKernel rounds it; -inf
       // at and past vocab_size (only a tile that reaches vocab_size checks). The rows of a thread come
       // in increasing order, so a strictly larger value (or the first NaN) replaces its best: the
-      // lowest index wins ties, as SPEC.md's argmax.
+      // lowest index wins ties, as docs/spec.md's argmax.
       // scale x dot of accumulator pair j's value e (request e / 2, row 2 j + e % 2 of the thread's 16):
       // the digits' sums are (operand 1, 0) at accumulator e, or (PACKED) accumulators e + 2, e.
       const auto ScaledDot = [&](int j, int e) {
