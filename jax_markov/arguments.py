@@ -62,7 +62,8 @@ def _per_request(name: str, x, batch: int, dtype, kinds: str):
     return x.astype(dtype)
 
 
-def _key_words(key, batch: int):
+def request_keys(key, batch: int):
+    """key ([B] typed PRNG keys or their [B, 2] uint32 data) as [B, 2] uint32 Philox key words."""
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != (batch,):
@@ -133,7 +134,7 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
             raise ValueError("position is required when temperature is given (the sequence position of "
                              "each request's first draft token)")
         temperature = _per_request("temperature", temperature, batch, jnp.float32, "f")
-        key = _key_words(key, batch)
+        key = request_keys(key, batch)
         position = _per_request("position", position, batch, jnp.int32, "iu")
     else:
         if key is not None or position is not None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import arguments
-from .philox import gumbel_noise
+from .philox import gumbel_noise_range
 from .result import WalkResult, to_result
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -53,14 +53,14 @@ def spec_argmax(score):
     return jnp.where(nan.any(axis=-1), jnp.argmax(nan, axis=-1), best).astype(jnp.int32)
 
 
-def step_scorer(columns, temperature, key, position, params: arguments.WalkParams):
-    """f(logits, k) -> (l_k, score) of SPEC.md for columns (global vocabulary indices): padding
-    -inf, l_k rounded to logits_dtype when logits are asked for, and the score chosen from (l_k
-    for greedy rows, l_k * (1/T) + g(v) for sampled rows)."""
-    valid = columns < params.vocab_size
+def step_scorer(start, count: int, temperature, key, position, params: arguments.WalkParams):
+    """f(logits, k) -> (l_k, score) of SPEC.md for the `count` columns from global vocabulary index
+    `start` (an int, or traced in a vocabulary shard): padding -inf, l_k rounded to logits_dtype when
+    logits are asked for, and the score chosen from (l_k for greedy rows, l_k * (1/T) + g(v) for
+    sampled rows)."""
+    valid = start + jnp.arange(count, dtype=jnp.int32) < params.vocab_size
     sampled = temperature > 0
     inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
-    key_words = (key[:, 0:1], key[:, 1:2])
 
     def scores(logits, k):
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
@@ -71,7 +71,7 @@ def step_scorer(columns, temperature, key, position, params: arguments.WalkParam
             logits = rounded.astype(jnp.float32)
         if not params.sampling:
             return logits, logits
-        noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
+        noise = gumbel_noise_range((key[:, 0], key[:, 1]), start, count, position + k)
         return logits, jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
 
     return scores
@@ -81,7 +81,7 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
     """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
     base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
     v_target = w1.shape[0]
-    scores = step_scorer(jnp.arange(base.shape[2], dtype=jnp.int32), temperature, key, position, params)
+    scores = step_scorer(0, base.shape[2], temperature, key, position, params)
 
     def step(prev, xs):
         base_k, k = xs

@@ -156,17 +156,19 @@ def walk(impl, base, anchor, head, **kw):
 
 
 def numpy_gumbel(k0, k1, v, position):
-    """SPEC.md's noise g(v) in numpy (Philox4x32-10 word 0 at (v, position, 0x40000000, 0)), to judge
-    near-ties; broadcasts its arguments. (The walk itself is checked against jax_markov.philox.)"""
+    """SPEC.md's noise g(v) in numpy (word v mod 4 of Philox4x32-10 at (v // 4, position, 0x40000000, 0)),
+    to judge near-ties; broadcasts its arguments. (The walk itself is checked against jax_markov.philox.)"""
     m = np.uint64(0xFFFFFFFF)
-    c0, c1 = np.asarray(v, np.uint64), np.asarray(position, np.uint64) & m
+    v = np.asarray(v, np.uint64)
+    c0, c1 = v // np.uint64(4), np.asarray(position, np.uint64) & m
     c2, c3 = np.uint64(0x40000000), np.uint64(0)
     k0, k1 = np.asarray(k0, np.uint64), np.asarray(k1, np.uint64)
     for _ in range(10):
         p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
         c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m, (k1 + np.uint64(0xBB67AE85)) & m
-    u = ((c0 >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    word = np.choose((v % np.uint64(4)).astype(np.int64), np.broadcast_arrays(c0, c1, c2, c3))
+    u = ((word >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -np.log(-np.log(u))
 
 
@@ -415,6 +417,39 @@ def test_padding(rng, isa, mode, vocab, vocab_size):
                      **make_sampling(rng, batch, mode))
     assert np.all(np.asarray(got.tokens) < vocab_size)
     assert np.all(np.asarray(got.logits)[:, :, vocab_size:] == -np.inf)
+
+
+def _window_case(rng, batch, steps, vocab):
+    """Flat base logits (the noise decides), -inf outside a window of columns per row (the windows
+    start anywhere, not at multiples of 4 or 8), a zero head, a sampled row per request."""
+    base = np.full((batch, steps, vocab), -np.inf, np.float32)
+    windows = []
+    for b, k in np.ndindex(batch, steps):
+        start = int(rng.integers(0, vocab - 40))
+        width = int(rng.integers(1, 40))
+        base[b, k, start:start + width] = 0.25
+        windows.append((b, k, start, width))
+    head = jax_markov.MarkovHead(jnp.asarray(rng.standard_normal((vocab, 16)), jnp.float32),
+                                 jnp.zeros((vocab, 16), jnp.float32))
+    return jnp.asarray(base), head, windows
+
+
+@pytest.mark.parametrize("temperature", [1.0])
+def test_noise_is_version_2_and_masked_columns_are_never_sampled(rng, isa, temperature):
+    """Every token is the argmax of the numpy oracle's noise (word v mod 4 of block v // 4) over its
+    row's unmasked window, on both SIMD paths."""
+    batch, steps, vocab = 6, 3, 2003
+    base, head, windows = _window_case(rng, batch, steps, vocab)
+    sampling = make_sampling(rng, batch, "sampled")
+    sampling["temperature"] = jnp.full((batch,), temperature, jnp.float32)
+    got = walk("ffi", base, jnp.zeros(batch, jnp.int32), head, **sampling)
+    key = np.asarray(jax.random.key_data(sampling["key"]))
+    position = np.asarray(sampling["position"]).astype(np.int64)
+    for b, k, start, width in windows:
+        noise = numpy_gumbel(key[b, 0], key[b, 1], np.arange(start, start + width), position[b] + k)
+        assert got.tokens[b, k] == start + int(np.argmax(noise)), (b, k, start, width)
+    want = walk("reference", base, jnp.zeros(batch, jnp.int32), head, **sampling)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])

@@ -52,7 +52,8 @@ def uniform_py(x):
 
 
 def gumbel_py(k0, k1, v, position):
-    x = philox_py((v, position, 0x40000000, 0), (k0, k1))[0]
+    """SPEC.md's g(v) (version 2): word v mod 4 of the block at counter (v // 4, position, 0x40000000, 0)."""
+    x = philox_py((int(v) // 4, position, 0x40000000, 0), (k0, k1))[int(v) % 4]
     u = uniform_py(x)
     return -np.log(-np.log(u))  # float32 throughout
 
@@ -212,6 +213,45 @@ def test_philox_and_gumbel_match_python_ints(rng):
                                        jnp.asarray(pos, jnp.int32)))
     want_g = np.array([gumbel_py(key[0, i], key[1, i], v[i], pos[i]) for i in range(n)], np.float32)
     np.testing.assert_allclose(g, want_g, rtol=1e-6, atol=1e-6)
+
+
+V1_WORD0 = lambda k0, k1, v, pos: philox_py((v, pos, 0x40000000, 0), (k0, k1))[0]  # version 1 of the noise
+
+
+@pytest.mark.parametrize("start,count", [(0, 64), (1, 9), (2, 3), (3, 14), (4097, 30)])
+def test_draft_noise_is_word_v_mod_4_of_block_v_div_4(rng, start, count):
+    """Version 2 of the draft noise against the Python-int oracle, for any first column (a multiple
+    of 4 or not): per column (gumbel_noise), for a static range (the reference's) and for a traced
+    start (a vocabulary shard's first global column)."""
+    k0, k1, pos = (int(x) for x in rng.integers(0, 2**32, 3, dtype=np.uint64))
+    columns = np.arange(start, start + count)
+    want = np.array([gumbel_py(k0, k1, v, pos) for v in columns], np.float32)
+    key = (jnp.uint32(k0), jnp.uint32(k1))
+    per_column = philox.gumbel_noise(key, jnp.asarray(columns, jnp.int32), jnp.uint32(pos))
+    static = philox.gumbel_noise_range(key, start, count, jnp.uint32(pos))
+    traced = jax.jit(lambda s: philox.gumbel_noise_range(key, s, count, jnp.uint32(pos)))(jnp.int32(start))
+    for got in (per_column, static, traced):
+        assert got.shape == (count,) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    # the test tells the word order apart: version 1 (word 0 of block v) and a reversed word order differ
+    u_of = lambda x: -np.log(-np.log(uniform_py(x)))
+    v1 = np.array([u_of(V1_WORD0(k0, k1, v, pos)) for v in columns], np.float32)
+    reversed_words = np.array([u_of(philox_py((v // 4, pos, 0x40000000, 0), (k0, k1))[3 - v % 4]) for v in columns],
+                              np.float32)
+    for wrong in (v1, reversed_words):
+        assert np.mean(np.isclose(wrong, want, rtol=1e-6, atol=1e-6)) < 0.5
+
+
+def test_draft_noise_range_broadcasts_keys_and_positions(rng):
+    """[B, K] keys and positions give [B, K, count] noise, each row its own (key, position) stream."""
+    keys = rng.integers(0, 2**32, (3, 1, 2), dtype=np.uint64).astype(np.uint32)
+    pos = rng.integers(0, 2**31, (3, 1)) + np.arange(4)
+    got = np.asarray(philox.gumbel_noise_range((jnp.asarray(keys[..., 0]), jnp.asarray(keys[..., 1])), 6, 7,
+                                               jnp.asarray(pos, jnp.int32)))
+    assert got.shape == (3, 4, 7)
+    for b, k in itertools.product(range(3), range(4)):
+        want = [gumbel_py(keys[b, 0, 0], keys[b, 0, 1], v, pos[b, k]) for v in range(6, 13)]
+        np.testing.assert_allclose(got[b, k], want, rtol=1e-6, atol=1e-6)
 
 
 def quantize_np(w2):
