@@ -53,10 +53,17 @@ def spec_argmax(score):
     return jnp.where(nan.any(axis=-1), jnp.argmax(nan, axis=-1), best).astype(jnp.int32)
 
 
+def gumbel_max_score(logits, inv_t, noise):
+    """The score of a sampled row (SPEC.md): l * (1/T) + g, except that a column whose l is -inf (masked,
+    or padding) scores -inf, never the NaN of -inf * 0 (1/T = 0 at T = +inf, where the row is then
+    sampled uniformly among the other columns)."""
+    return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t + noise)
+
+
 def step_scorer(start, count: int, temperature, key, position, params: arguments.WalkParams):
     """f(logits, k) -> (l_k, score) of SPEC.md for the `count` columns from global vocabulary index
     `start` (an int, or traced in a vocabulary shard): padding -inf, l_k rounded to logits_dtype when
-    logits are asked for, and the score chosen from (l_k for greedy rows, l_k * (1/T) + g(v) for
+    logits are asked for, and the score chosen from (l_k for greedy rows, `gumbel_max_score` for
     sampled rows)."""
     valid = start + jnp.arange(count, dtype=jnp.int32) < params.vocab_size
     sampled = temperature > 0
@@ -72,7 +79,7 @@ def step_scorer(start, count: int, temperature, key, position, params: arguments
         if not params.sampling:
             return logits, logits
         noise = gumbel_noise_range((key[:, 0], key[:, 1]), start, count, position + k)
-        return logits, jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+        return logits, jnp.where(sampled[:, None], gumbel_max_score(logits, inv_t[:, None], noise), logits)
 
     return scores
 

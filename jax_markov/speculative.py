@@ -36,6 +36,7 @@ from jax import lax
 
 from . import philox
 from .arguments import request_keys
+from .reference import gumbel_max_score
 
 ACCEPT_STREAM = np.uint32(0x40000001)
 RESAMPLE_STREAM = np.uint32(0x40000002)
@@ -78,6 +79,12 @@ def _inverse_temperature(temperature, batch):
     return sampled, jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, t, 1.0), jnp.float32(1.0))
 
 
+def _tempered(logits, inv_t):
+    """logits * (1/T), -inf staying -inf (1/T is 0 at T = +inf): the masked and padding columns keep
+    probability 0 and the others are uniform there, as in the walk (SPEC.md)."""
+    return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t)
+
+
 def choose_token(logits, *, temperature=None, key_words=None, position=None, vocab_size=None):
     """The target's own choice from logits [B, V]: argmax on greedy rows, Gumbel-max with the
     resample stream at `position` [B] on sampled rows (an exact sample of softmax(logits / T))."""
@@ -86,7 +93,7 @@ def choose_token(logits, *, temperature=None, key_words=None, position=None, voc
     if temperature is None:
         return greedy
     sampled, inv_t = _inverse_temperature(temperature, logits.shape[0])
-    score = logits * inv_t[:, None] + resample_noise(key_words, position, logits.shape[-1])
+    score = gumbel_max_score(logits, inv_t[:, None], resample_noise(key_words, position, logits.shape[-1]))
     return jnp.where(sampled, jnp.argmax(score, axis=-1).astype(jnp.int32), greedy)
 
 
@@ -137,8 +144,8 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
         position = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
         sampled, inv_t = _inverse_temperature(temperature, b)
         dl = _mask_padding(draft_logits.astype(jnp.float32), vocab_size)
-        p = jax.nn.softmax(tl * inv_t[:, None, None], axis=-1)  # [B, K+1, V]
-        q = jax.nn.softmax(dl * inv_t[:, None, None], axis=-1)  # [B, K, V]
+        p = jax.nn.softmax(_tempered(tl, inv_t[:, None, None]), axis=-1)  # [B, K+1, V]
+        q = jax.nn.softmax(_tempered(dl, inv_t[:, None, None]), axis=-1)  # [B, K, V]
         p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
         u = accept_uniform(words, position[:, None] + steps[None, :k])

@@ -193,7 +193,7 @@ def reference_scores(ref_logits, kw, steps):
     noise = numpy_gumbel(key[:, 0, None, None], key[:, 1, None, None], np.arange(vocab)[None, None, :],
                          (position[:, None] + np.arange(steps))[:, :, None])
     with np.errstate(invalid="ignore"):
-        scores = logits * inv_t[:, None, None] + noise
+        scores = np.where(logits == -np.inf, -np.inf, logits * inv_t[:, None, None] + noise)  # -inf scores -inf
     return np.where(sampled[:, None, None], scores, logits)
 
 
@@ -434,10 +434,11 @@ def _window_case(rng, batch, steps, vocab):
     return jnp.asarray(base), head, windows
 
 
-@pytest.mark.parametrize("temperature", [1.0])
+@pytest.mark.parametrize("temperature", [1.0, np.inf])
 def test_noise_is_version_2_and_masked_columns_are_never_sampled(rng, isa, temperature):
     """Every token is the argmax of the numpy oracle's noise (word v mod 4 of block v // 4) over its
-    row's unmasked window, on both SIMD paths."""
+    row's unmasked window, on both SIMD paths, at T = 1 and at T = +inf (1/T = 0: a -inf logit must
+    still score -inf, not NaN)."""
     batch, steps, vocab = 6, 3, 2003
     base, head, windows = _window_case(rng, batch, steps, vocab)
     sampling = make_sampling(rng, batch, "sampled")
@@ -450,6 +451,27 @@ def test_noise_is_version_2_and_masked_columns_are_never_sampled(rng, isa, tempe
         assert got.tokens[b, k] == start + int(np.argmax(noise)), (b, k, start, width)
     want = walk("reference", base, jnp.zeros(batch, jnp.int32), head, **sampling)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+@pytest.mark.parametrize("mode", ["sampled", "mixed"])
+def test_infinite_temperature_with_padding_and_masked_columns(rng, isa, mode):
+    """Issue 64: T = +inf with padding (huge logits past vocab_size) and masked (-inf) columns: the
+    tokens are the reference's exactly (the noise alone decides) and never padding or masked."""
+    batch, steps, vocab, vocab_size = 5, 4, 1500, 1203
+    head = make_head(rng, vocab, 32)
+    base = np.array(make_base(rng, batch, steps, vocab))
+    base[:, :, vocab_size:] = 1e4
+    masked = rng.random((batch, steps, vocab)) < 0.5
+    base[masked] = -np.inf
+    sampling = make_sampling(rng, batch, mode)
+    sampling["temperature"] = jnp.where(sampling["temperature"] > 0, jnp.inf, 0.0)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    got, want = compare(jnp.asarray(base), anchor, head, vocab_size=vocab_size, return_logits=True, label="T=inf",
+                        **sampling)
+    tokens = np.asarray(got.tokens)
+    np.testing.assert_array_equal(tokens, np.asarray(want.tokens))
+    assert tokens.max() < vocab_size
+    assert not masked[np.arange(batch)[:, None], np.arange(steps)[None, :], tokens].any()
 
 
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])

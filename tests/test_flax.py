@@ -426,3 +426,17 @@ def test_checkpoint_errors_name_missing_unexpected_and_misshaped_tensors(tmp_pat
     with pytest.raises(jmf.CheckpointError, match="markov_head.markov_w3.weight"):
         jmf.load_state_dict(head, dict(good, **{"markov_head.markov_w3.weight": np.zeros((V, R))}),
                             prefix="markov_head.")
+
+
+def test_draft_without_head_at_infinite_temperature_skips_padding_and_masked_columns():
+    """The plain drafter chooses as the walk does: at T = +inf uniformly among the columns that are
+    neither masked (-inf) nor padding, never a NaN score of -inf * 0."""
+    b, k = 4, 3
+    base = jnp.asarray(np.random.default_rng(5).normal(0, 1, (b, k, V)), jnp.float32).at[:, :, :20].set(-jnp.inf)
+    kw = dict(temperature=jnp.full((b,), jnp.inf), key=jax.random.split(jax.random.key(2), b),
+              position=jnp.arange(b) * 3, vocab_size=V - 8)
+    tokens, _ = jmf.draft_without_head(base, **kw)
+    tokens = np.asarray(tokens)
+    assert tokens.min() >= 20 and tokens.max() < V - 8
+    zero = jmf.MarkovHead(V, R, param_dtype=jnp.float32)  # zero weights: the walk of the base logits alone
+    np.testing.assert_array_equal(tokens, zero.walk(base, jnp.zeros(b, jnp.int32), **kw).tokens)

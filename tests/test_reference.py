@@ -123,7 +123,7 @@ def oracle_walk(base_logits, anchor, head, *, temperature=None, key=None, positi
             best, tok = None, None
             for v in range(vocab):
                 s = row[v]
-                if sampled:
+                if sampled and s != -np.inf:  # a -inf logit scores -inf, even where 1/T is 0
                     s = np.float32(s * inv_t) + gumbel_py(key_words[b, 0], key_words[b, 1], v, position[b] + k)
                 scores[b, k, v] = s
                 if best is None:
@@ -628,6 +628,50 @@ def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
     other = dict(inputs, key=jax.random.split(jax.random.key(5), b), position=inputs["position"] + 100)
     np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **other).tokens)[[0, 2, 3, 4]],
                                   greedy[[0, 2, 3, 4]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked columns, padding and infinite temperatures
+# ---------------------------------------------------------------------------------------------
+
+def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_head, assert_tokens_match):
+    """Issue 64's reproducer: T = +inf (1/T = 0) with padding (vocab_size = 50) and -inf (masked)
+    base logits. Padding and masked columns are never chosen (not -inf * 0 = NaN, which would win);
+    the tokens are the oracle's, i.e. the argmax of the noise alone over the other columns."""
+    b = jax.random.normal(jax.random.key(0), (2, 3, 64))
+    b = b.at[0, :, 5:40].set(-jnp.inf).at[1, 1].set(-jnp.inf).at[1, 1, 17].set(0.5)  # row 1 step 1: only 17
+    head = make_head(rng, 64, 8, w1_dtype=jnp.float32, w2_dtype=jnp.float32)
+    kw = dict(temperature=jnp.full(2, jnp.inf), key=jax.random.split(jax.random.key(1), 2),
+              position=jnp.asarray([5, 2**31 - 2], jnp.int32), vocab_size=50)
+    got, want = walk_both(b, jnp.asarray([1, 60], jnp.int32), head, assert_tokens_match, **kw)
+    tokens = np.asarray(got.tokens)
+    np.testing.assert_array_equal(tokens, want["tokens"])
+    assert tokens.max() < 50 and not np.isin(tokens[0], np.arange(5, 40)).any() and tokens[1, 1] == 17
+    assert not np.isnan(want["scores"]).any()
+    # the noise alone decides among the columns that are neither masked nor padding
+    key = np.asarray(jax.random.key_data(kw["key"]))
+    for i, k in itertools.product(range(2), range(3)):
+        allowed = [v for v in range(50) if np.asarray(b)[i, k, v] != -np.inf]
+        noise = [gumbel_py(key[i, 0], key[i, 1], v, int(kw["position"][i]) + k) for v in allowed]
+        assert tokens[i, k] == allowed[int(np.argmax(noise))]
+
+
+def test_infinite_temperature_is_uniform_among_the_other_columns(rng):
+    """n requests with their own keys: T = +inf draws uniformly among the 5 columns that are neither
+    masked (-inf) nor padding, whatever their logits; T = 1 does not (the negative control)."""
+    n, v = 20_000, 9
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32),
+                                 jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32))
+    row = np.array([3.0, -np.inf, 0.0, -2.0, -np.inf, 1.0, 4.0, 9.0, 9.0], np.float32)  # 7, 8: padding
+    base = jnp.broadcast_to(jnp.asarray(row), (n, 1, v))
+    kw = dict(key=jax.random.split(jax.random.key(21), n), position=jnp.full((n,), 7, jnp.int32), vocab_size=7)
+    anchor = jnp.zeros((n,), jnp.int32)
+    tokens = np.asarray(reference.walk(base, anchor, head, temperature=jnp.full((n,), jnp.inf), **kw).tokens[:, 0])
+    counts = np.bincount(tokens, minlength=v)
+    assert counts[[1, 4, 7, 8]].sum() == 0
+    assert stats.chisquare(counts[[0, 2, 3, 5, 6]]).pvalue > P_MIN, counts
+    warm = np.asarray(reference.walk(base, anchor, head, temperature=jnp.ones((n,)), **kw).tokens[:, 0])
+    assert stats.chisquare(np.bincount(warm, minlength=v)[[0, 2, 3, 5, 6]]).pvalue < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------

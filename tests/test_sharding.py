@@ -484,8 +484,8 @@ def test_vocab_layout_noise_on_shards_that_start_inside_a_philox_block(shape, im
     that is not a multiple of 4, i.e. inside a Philox block (SPEC.md version 2: column v is word
     v mod 4 of block v // 4). Flat base logits and a zero head: the noise alone decides, so every
     token is the argmax of `philox.gumbel_noise` (pinned to the Python-int oracle in
-    test_reference.py) over the columns that are neither masked (-inf) nor padding, as in the
-    single-device walk."""
+    test_reference.py) over the columns that are neither masked (-inf) nor padding, at T = 1 and at
+    T = +inf, as in the single-device walk."""
     from jax_markov import philox
 
     n_rows, steps, v, vocab_size = 8, 3, 40, 37
@@ -493,7 +493,7 @@ def test_vocab_layout_noise_on_shards_that_start_inside_a_philox_block(shape, im
     base = np.full((n_rows, steps, v), 0.25, np.float32)
     base[rng.random(base.shape) < 0.3] = -np.inf
     head = jax_markov.MarkovHead(jnp.ones((v, R), jnp.float32), jnp.zeros((v, R), jnp.float32))
-    temperature = jnp.asarray([1.0, 0.5] * (n_rows // 2), jnp.float32)
+    temperature = jnp.asarray([1.0, np.inf] * (n_rows // 2), jnp.float32)
     key = jax.random.split(jax.random.key(17), n_rows)
     position = jnp.asarray(rng.integers(0, 2**31 - steps, n_rows), jnp.int32)
     kw = dict(base_logits=jnp.asarray(base), anchor=jnp.zeros(n_rows, jnp.int32), head=head,

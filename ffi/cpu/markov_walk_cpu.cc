@@ -233,7 +233,8 @@ inline float LoadAsF32(const void* p, ffi::DataType t, int64_t i) {
 }
 
 // Sampled rows (portable path): the lowest argmax of l * (1/T) + g(v) over l[0..n) (rows v0 + i),
-// skipping the noise of a column that cannot beat the best score so far. The words of the last Philox block drawn are kept: consecutive
+// where a -inf l scores -inf (never -inf * 0 = NaN at 1/T = 0), skipping the noise of a column that
+// cannot beat the best score so far. The words of the last Philox block drawn are kept: consecutive
 // columns that need noise share a block (SPEC.md: one block per four columns).
 inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t, uint32_t k0, uint32_t k1,
                               uint32_t position) {
@@ -244,14 +245,17 @@ inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t
   float best_score = kNegInf;
   for (int64_t i = 0; i < n; ++i) {
     const float x = l[i];
-    if (best != 0 && x * inv_t + kGumbelBound < best_score) continue;
+    if (best != 0 && (x == kNegInf || x * inv_t + kGumbelBound < best_score)) continue;
     const uint32_t v = static_cast<uint32_t>(v0 + i);
-    if (!have_block || block[0] != v / 4) {
-      block[0] = v / 4;
-      have_block = true;
-      Philox4x32<1, false>(block, positions, kDraftStream, k0s, k1s, words);
+    float score = kNegInf;
+    if (x != kNegInf) {
+      if (!have_block || block[0] != v / 4) {
+        block[0] = v / 4;
+        have_block = true;
+        Philox4x32<1, false>(block, positions, kDraftStream, k0s, k1s, words);
+      }
+      score = x * inv_t + GumbelOfWord(words[0][v % 4]);
     }
-    const float score = x * inv_t + GumbelOfWord(words[0][v % 4]);
     const uint64_t key = PackArgmaxKey(score, v);
     if (key > best) {
       best = key;
@@ -611,11 +615,11 @@ MARKOV_AVX2_INLINE __m256 GumbelNoise8(uint32_t v, uint32_t position, uint32_t k
 }
 
 // Sampled rows: the lowest argmax of fma(l, 1/T, g(v)) over l[0..n) (rows v0 + i, v0 a multiple of 8),
-// 8 columns at a time; the noise of 8 columns is skipped when none of them can beat the best score so
-// far.
+// where a -inf l scores -inf (never -inf * 0 = NaN at 1/T = 0), 8 columns at a time; the noise of 8
+// columns is skipped when none of them can beat the best score so far.
 MARKOV_AVX2_FN uint64_t SampledArgmax8(const float* __restrict l, int64_t n, int64_t v0, float inv_t, uint32_t key0,
                                        uint32_t key1, uint32_t position) {
-  const __m256 it = _mm256_set1_ps(inv_t), bound = _mm256_set1_ps(kGumbelBound);
+  const __m256 it = _mm256_set1_ps(inv_t), bound = _mm256_set1_ps(kGumbelBound), neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   uint64_t best = 0;
   float best_score = kNegInf;
@@ -624,13 +628,15 @@ MARKOV_AVX2_FN uint64_t SampledArgmax8(const float* __restrict l, int64_t n, int
     const int64_t valid = std::min<int64_t>(8, n - i);
     const __m256 in_range = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane));
     // lanes past n (inside the buffer, garbage) read -inf and are never candidates
-    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_load_ps(l + i), in_range);
+    const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_load_ps(l + i), in_range);
+    const __m256 masked = _mm256_cmp_ps(x, neg_inf, _CMP_EQ_OQ);
     const __m256 best_v = _mm256_set1_ps(best_score);
-    if (best != 0 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_fmadd_ps(x, it, bound), best_v, _CMP_LT_OQ)) == 0xFF) {
+    const __m256 hopeless = _mm256_or_ps(_mm256_cmp_ps(_mm256_fmadd_ps(x, it, bound), best_v, _CMP_LT_OQ), masked);
+    if (best != 0 && _mm256_movemask_ps(hopeless) == 0xFF) {
       continue;  // every lane's best possible score is below the best so far
     }
     const __m256 g = GumbelNoise8(static_cast<uint32_t>(v0 + i), position, key0, key1);
-    const __m256 score = _mm256_fmadd_ps(x, it, g);
+    const __m256 score = _mm256_blendv_ps(_mm256_fmadd_ps(x, it, g), neg_inf, masked);
     const __m256 better = _mm256_or_ps(_mm256_cmp_ps(score, best_v, _CMP_GT_OQ), _mm256_cmp_ps(score, score, _CMP_UNORD_Q));
     if (best != 0 && _mm256_movemask_ps(_mm256_and_ps(better, in_range)) == 0) continue;
     _mm256_store_ps(scores, score);

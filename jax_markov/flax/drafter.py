@@ -24,6 +24,7 @@ from flax import nnx
 
 from ..arguments import request_keys
 from ..philox import gumbel_noise_range
+from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
 from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_rows
@@ -381,5 +382,5 @@ def draft_without_head(base_logits, *, temperature=None, key=None, position=None
         inv_t = jnp.where(sampled, 1.0 / jnp.where(sampled, t, 1.0), 0.0)
         pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
         noise = gumbel_noise_range((words[:, 0, None], words[:, 1, None]), 0, v, pos[:, None] + jnp.arange(k))
-        score = jnp.where(sampled[:, None, None], logits * inv_t[:, None, None] + noise, logits)
-    return jnp.argmax(score, axis=-1).astype(jnp.int32), logits.astype(logits_dtype)
+        score = jnp.where(sampled[:, None, None], gumbel_max_score(logits, inv_t[:, None, None], noise), logits)
+    return spec_argmax(score), logits.astype(logits_dtype)
