@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from . import philox
-from .arguments import request_keys
+from .arguments import request_keys, request_positions
 from .reference import gumbel_max_score
 
 ACCEPT_STREAM = np.uint32(0x40000001)
@@ -141,7 +141,7 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
         if key is None or position is None:
             raise ValueError("key and position are required with temperature")
         words = request_keys(key, b)
-        position = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
+        position = request_positions(position, b)
         sampled, inv_t = _inverse_temperature(temperature, b)
         dl = _mask_padding(draft_logits.astype(jnp.float32), vocab_size)
         p = jax.nn.softmax(_tempered(tl, inv_t[:, None, None]), axis=-1)  # [B, K+1, V]

@@ -474,6 +474,45 @@ def test_infinite_temperature_with_padding_and_masked_columns(rng, isa, mode):
     assert not masked[np.arange(batch)[:, None], np.arange(steps)[None, :], tokens].any()
 
 
+def test_nan_scale_row_is_chosen_like_the_float_heads_nan_row(rng, isa):
+    """A NaN in W2's row 3: `quantize` under jit gives that row a NaN scale; the custom call then
+    chooses column 3 at every step with the int8 head and with the float head, as the reference."""
+    batch, steps, vocab = 4, 3, 1100
+    w2 = (rng.standard_normal((vocab, 32)) / np.sqrt(32)).astype(np.float32)
+    w2[3, 7] = np.nan
+    head = jax_markov.MarkovHead(jnp.asarray(rng.standard_normal((vocab, 32)), jnp.bfloat16), jnp.asarray(w2))
+    base = make_base(rng, batch, steps, vocab)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    sampling = make_sampling(rng, batch, "mixed")
+    for h in (head, jax.jit(jax_markov.quantize)(head)):
+        np.testing.assert_array_equal(np.asarray(walk("ffi", base, anchor, h, **sampling).tokens), 3)
+
+
+def test_ids_wider_than_int32_are_clamped_before_the_call(rng):
+    """Anchors, positions and d2t values of any integer width reach the custom call clamped in their
+    own width (not wrapped mod 2^32): the custom call and the reference agree on them."""
+    batch, steps, vocab, v_target = 4, 3, 1200, 1500
+    head = make_head(rng, vocab, 32, v_target=v_target)
+    base = make_base(rng, batch, steps, vocab)
+    anchor = np.array([3_000_000_000, 5, 2**32 + 3, -(2**40)], np.int64)  # NumPy int64, x64 off
+    d2t = np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab)
+    d2t[0] = 2**32 + 3  # target id 0 + (2^31 - V): the largest id that cannot overflow
+    sampling = make_sampling(rng, batch, "sampled")
+    sampling["position"] = np.array([3_000_000_000, 7, 2**32 - 1, 0], np.uint32)
+    base = base.at[1, 0, 0].set(1e4)  # request 1 drafts column 0 first: target id 2^31 - V
+    got, want = (jax_markov.walk(base, anchor, head, d2t=d2t, return_embeds=True, impl=impl, **sampling)
+                 for impl in ("ffi", "reference"))
+    w1 = np.asarray(head.w1)
+    for res in (got, want):
+        np.testing.assert_array_equal(np.asarray(res.embeds)[:, 0], w1[[v_target - 1, 5, v_target - 1, 0]])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert got.tokens[1, 0] == 2**31 - vocab and got.embeds[1, 1].tolist() == w1[v_target - 1].tolist()
+    # uint32 positions are the same counter bits as the int32 ones they wrap to
+    wrapped = dict(sampling, position=jnp.asarray(sampling["position"].astype(np.int32)))
+    again = jax_markov.walk(base, anchor, head, d2t=d2t, impl="ffi", **wrapped)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(got.tokens))
+
+
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
 def test_d2t(rng, isa, mode):
     """A reduced draft vocabulary: tokens are target ids, and prev indexes W1 by target id."""

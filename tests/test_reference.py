@@ -631,7 +631,7 @@ def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
 
 
 # ---------------------------------------------------------------------------------------------
-# Masked columns, padding and infinite temperatures
+# Masked columns, padding and infinite temperatures; non-finite int8 rows
 # ---------------------------------------------------------------------------------------------
 
 def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_head, assert_tokens_match):
@@ -672,6 +672,42 @@ def test_infinite_temperature_is_uniform_among_the_other_columns(rng):
     assert stats.chisquare(counts[[0, 2, 3, 5, 6]]).pvalue > P_MIN, counts
     warm = np.asarray(reference.walk(base, anchor, head, temperature=jnp.ones((n,)), **kw).tokens[:, 0])
     assert stats.chisquare(np.bincount(warm, minlength=v)[[0, 2, 3, 5, 6]]).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_refuses_non_finite_rows_and_poisons_them_under_transforms(rng, bad):
+    """Eagerly, a W2 row holding a NaN or an infinity is an error naming the rows; under jit and vmap
+    it gets a NaN scale (and q = 0) while every other row quantizes as usual."""
+    v, r = 40, 16
+    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
+    w2[3, 11] = bad
+    w2[17, 0] = bad
+    w1 = jnp.asarray(rng.normal(0, 1, (v, r)), jnp.float32)
+    head = jax_markov.MarkovHead(w1, jnp.asarray(w2))
+    with pytest.raises(ValueError, match=r"W2 rows \[3, 17\] hold NaN or infinite values"):
+        jax_markov.quantize(head)
+    clean = w2.copy()
+    clean[[3, 17]] = 0.0
+    q_clean, s_clean = quantize_np(clean)
+    for q in (jax.jit(jax_markov.quantize)(head),
+              jax.tree.map(lambda x: x[0], jax.vmap(jax_markov.quantize)(jax.tree.map(lambda x: x[None], head)))):
+        scale = np.asarray(q.scale)
+        assert np.isnan(scale[[3, 17]]).all() and not np.isnan(np.delete(scale, [3, 17])).any()
+        np.testing.assert_array_equal(np.delete(scale, [3, 17]), np.delete(s_clean, [3, 17]))
+        np.testing.assert_array_equal(np.asarray(q.q), q_clean)
+
+
+def test_nan_row_drafts_alike_with_the_float_and_the_int8_head(rng, make_inputs):
+    """A NaN in W2's row 3: the float head's bias of column 3 is NaN at every step, so is the int8
+    head's (NaN scale): both choose column 3 at every step, greedy and sampled rows alike."""
+    v, r = 24, 8
+    w2 = rng.normal(0, 0.5, (v, r)).astype(np.float32)
+    w2[3, 5] = np.nan
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32), jnp.asarray(w2))
+    inputs = make_inputs(rng, 6, 3, v, sampled=True)
+    for h in (head, jax.jit(jax_markov.quantize)(head)):
+        tokens = np.asarray(reference.walk(head=h, **inputs).tokens)
+        np.testing.assert_array_equal(tokens, 3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..arguments import request_keys
+from ..arguments import request_keys, request_positions
 from ..philox import gumbel_noise_range
 from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
@@ -380,7 +380,7 @@ def draft_without_head(base_logits, *, temperature=None, key=None, position=None
         words = request_keys(key, b)
         sampled = t > 0
         inv_t = jnp.where(sampled, 1.0 / jnp.where(sampled, t, 1.0), 0.0)
-        pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
+        pos = request_positions(position, b)
         noise = gumbel_noise_range((words[:, 0, None], words[:, 1, None]), 0, v, pos[:, None] + jnp.arange(k))
         score = jnp.where(sampled[:, None, None], gumbel_max_score(logits, inv_t[:, None, None], noise), logits)
     return spec_argmax(score), logits.astype(logits_dtype)
