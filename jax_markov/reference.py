@@ -17,15 +17,41 @@ ROW_BITS = {2: jnp.uint16, 4: jnp.uint32}  # W1 itemsize -> the unsigned integer
 _CONTRACT_RANK = (((1,), (1,)), ((), ()))  # [B, r] x [V, r] -> [B, V]
 
 
+def _power_of_two(k):
+    """2^k as float32 for integer k in [-126, 127] (exact: the exponent bits set directly)."""
+    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+def headroom_shifts(e, rank: int):
+    """(s1, s2) [B] int32 >= 0 such that |e| * 2^-(s1 + s2) < 1 / (2r) for each row of e [B, r]: a dot
+    of such a row with any finite fp32 row of W2 then never overflows in any partial sum. 0 where e
+    is small, zero or holds an infinity or NaN (IEEE arithmetic then decides). Two shifts keep each
+    power of two a normal float32 (s goes up to 128 + log2(2r))."""
+    biased = (lax.bitcast_convert_type(jnp.max(jnp.abs(e.astype(jnp.float32)), axis=1), jnp.int32) >> 23) & 0xFF
+    # max|e| < 2^(biased - 126), and h = (2r - 1).bit_length() is the least h with 2^h >= 2r
+    s = jnp.where(biased == 0xFF, 0, jnp.maximum(biased - 126 + (2 * rank - 1).bit_length(), 0))
+    return s // 2, s - s // 2
+
+
 def markov_bias(e, w2, w2_scale, logit_scale: float):
-    """logit_scale * (W2 @ e) for a batch of embeddings e [B, r], float32 [B, V]."""
+    """logit_scale * (W2 @ e) for a batch of embeddings e [B, r], float32 [B, V].
+
+    The fp32 dot runs on e scaled down by a power of two (`headroom_shifts`) and is scaled back up:
+    exact wherever the result is finite, and a bias too large for fp32 is +-inf by its sign, never the
+    NaN of partial sums that overflowed both ways. A float16 e and float16 W2
+    need no scaling (|products| <= 2^32) and could not take it (float16's exponent range is narrow)."""
+    dtype = jnp.dtype(jnp.float32) if w2.dtype == jnp.int8 else jnp.promote_types(e.dtype, w2.dtype)
+    scaled = dtype != jnp.float16
+    e = e.astype(dtype)
+    if scaled:
+        s1, s2 = headroom_shifts(e, w2.shape[1])
+        e = e * _power_of_two(-s1)[:, None].astype(dtype) * _power_of_two(-s2)[:, None].astype(dtype)
+    dot = lax.dot_general(e, w2.astype(dtype), _CONTRACT_RANK, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
+    if scaled:
+        dot = dot * _power_of_two(s1)[:, None] * _power_of_two(s2)[:, None]
     if w2.dtype == jnp.int8:
-        dot = lax.dot_general(e.astype(jnp.float32), w2.astype(jnp.float32), _CONTRACT_RANK,
-                              precision=_HIGHEST, preferred_element_type=jnp.float32)
         return jnp.float32(logit_scale) * (w2_scale[None, :] * dot)
-    common = jnp.promote_types(e.dtype, w2.dtype)
-    dot = lax.dot_general(e.astype(common), w2.astype(common), _CONTRACT_RANK,
-                          precision=_HIGHEST, preferred_element_type=jnp.float32)
     return jnp.float32(logit_scale) * dot
 
 

@@ -474,6 +474,28 @@ def test_infinite_temperature_with_padding_and_masked_columns(rng, isa, mode):
     assert not masked[np.arange(batch)[:, None], np.arange(steps)[None, :], tokens].any()
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("w2_dtype", [jnp.float32, jnp.int8])
+def test_overflow_agrees_with_the_reference(rng, isa, batch, w2_dtype):
+    """Weights near 1e19 with random signs: the dots overflow in partial sums of both signs. The
+    custom call gives the reference's logits: +-inf by the sign of the dot, never NaN (it gave NaN
+    where its 8 lanes overflowed in opposite directions), and the same tokens."""
+    vocab, rank = 1000, 256
+    w1 = rng.uniform(0.5, 1.5, (vocab, rank)) * 1e19 * rng.choice([-1, 1], (vocab, rank))
+    w2 = rng.uniform(0.5, 1.5, (vocab, rank)) * 1e19 * rng.choice([-1, 1], (vocab, rank))
+    head = (quantize(jnp.asarray(w1, jnp.float32), w2) if w2_dtype == jnp.int8
+            else jax_markov.MarkovHead(jnp.asarray(w1, jnp.float32), jnp.asarray(w2, jnp.float32)))
+    base = make_base(rng, batch, 3, vocab)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    got = walk("ffi", base, anchor, head, return_logits=True)
+    want = walk("reference", base, anchor, head, return_logits=True)
+    logits, ref = np.asarray(got.logits), np.asarray(want.logits)
+    assert not np.isnan(logits).any() and np.isinf(logits).mean() > 0.5
+    np.testing.assert_array_equal(np.isinf(logits), np.isinf(ref))
+    np.testing.assert_array_equal(logits[np.isinf(ref)], ref[np.isinf(ref)])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
 def test_nan_scale_row_is_chosen_like_the_float_heads_nan_row(rng, isa):
     """A NaN in W2's row 3: `quantize` under jit gives that row a NaN scale; the custom call then
     chooses column 3 at every step with the int8 head and with the float head, as the reference."""

@@ -631,7 +631,7 @@ def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
 
 
 # ---------------------------------------------------------------------------------------------
-# Masked columns, padding and infinite temperatures; non-finite int8 rows
+# Masked columns, padding and infinite temperatures; overflow; non-finite int8 rows
 # ---------------------------------------------------------------------------------------------
 
 def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_head, assert_tokens_match):
@@ -672,6 +672,39 @@ def test_infinite_temperature_is_uniform_among_the_other_columns(rng):
     assert stats.chisquare(counts[[0, 2, 3, 5, 6]]).pvalue > P_MIN, counts
     warm = np.asarray(reference.walk(base, anchor, head, temperature=jnp.ones((n,)), **kw).tokens[:, 0])
     assert stats.chisquare(np.bincount(warm, minlength=v)[[0, 2, 3, 5, 6]]).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("w2_dtype", [jnp.float32, jnp.bfloat16, "int8"])
+def test_overflowing_bias_is_infinite_by_its_sign_never_nan(rng, batch, w2_dtype):
+    """Weights near 1e19 with random signs: every product is finite but the fp32 dot overflows, in
+    partial sums of both signs. The bias is then +-inf by the sign of the exact (float64) dot, never
+    NaN, for one request (a matrix-vector product) and several; where the exact dot is inside the
+    fp32 range, the logit is finite and close to it."""
+    v, r = 64, 256
+    w1 = rng.uniform(0.5, 1.5, (v, r)) * 1e19 * rng.choice([-1, 1], (v, r))
+    w2 = rng.uniform(0.5, 1.5, (v, r)) * 1e19 * rng.choice([-1, 1], (v, r))
+    head = jax_markov.MarkovHead(jnp.asarray(w1, jnp.float32),
+                                 jnp.asarray(w2, jnp.float32 if w2_dtype == "int8" else w2_dtype))
+    head = jax_markov.quantize(head) if w2_dtype == "int8" else head
+    base = jnp.asarray(rng.normal(0, 1, (batch, 2, v)), jnp.float32)
+    anchor = jnp.asarray(rng.integers(0, v, batch), jnp.int32)
+    got = reference.walk(base, anchor, head, return_logits=True, return_embeds=True)
+    logits = np.asarray(got.logits)
+    assert not np.isnan(logits).any()
+    w1_64, w2_64 = (np.asarray(w, np.float64) for w in head_f32(head))
+    prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(got.tokens)[:, :-1]], axis=1)
+    exact = np.einsum("bkr,vr->bkv", w1_64[prev], w2_64) + np.asarray(base, np.float64)
+    big = np.abs(exact) > 3.5e38
+    assert big.mean() > 0.5 and (~big).any()
+    np.testing.assert_array_equal(logits[big], np.sign(exact[big]) * np.inf)
+    small = np.abs(exact) < 3.3e38
+    np.testing.assert_allclose(logits[small], exact[small], rtol=1e-4, atol=1e35)
+    # greedy: the first +inf column, where no column before it is a borderline case
+    for b, k in itertools.product(range(batch), range(2)):
+        first = int(np.argmax(exact[b, k] > 3.5e38))
+        if exact[b, k, first] > 3.5e38 and np.all(small[b, k, :first]):
+            assert got.tokens[b, k] == first
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

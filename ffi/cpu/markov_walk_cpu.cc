@@ -17,6 +17,11 @@
 // registers), only for columns that could still win. Walks with little work per step stay on the
 // calling thread.
 //
+// Overflow: each e is scaled down by a power of two before its dots (Headroom) so that no partial
+// sum of a dot with a finite W2 row can overflow, and the dots are scaled back up: exact wherever
+// the result is finite, and a bias too large for fp32 is +-inf by its sign, never the NaN of partial
+// sums that overflowed in both directions (jax_markov/reference.py's markov_bias does the same).
+//
 // Determinism: a row's dot is always computed by the same code in the same order (8 fp32 lanes
 // over j, then a fixed pairwise tree), whatever the chunk, thread, tile or batch size, and the key
 // merge is a max over a total order, so the same inputs give the same bits on one machine. All
@@ -131,6 +136,35 @@ const float kGumbelBound = [] {
   return -std::log(-std::log(u)) + 0.01f;
 }();
 
+// 2^k as a float for k in [-126, 127] (the exponent bits set directly).
+inline float PowerOfTwo(int k) { return BitsFloat(static_cast<uint32_t>(k + 127) << 23); }
+
+// Scales e[0, rank) down by 2^-s, s = s1 + s2 >= 0 with |e| 2^-s < 1 / (2 rank), so that a dot of e
+// with any finite fp32 row never overflows in a partial sum; up = (2^s1, 2^s2) scale its dots back
+// (two factors keep each a normal float). s = 0 where e is small, zero or holds an infinity or NaN
+// (IEEE arithmetic then decides). Exactly jax_markov/reference.py's headroom_shifts.
+void Headroom(float* e, int64_t rank, float* up) {
+  float m = 0.0f;  // max |e|, NaN if any is NaN
+  for (int64_t j = 0; j < rank; ++j) {
+    const float a = std::fabs(e[j]);
+    m = (m < a || a != a) ? a : m;
+  }
+  const int biased = static_cast<int>((FloatBits(m) >> 23) & 0xFFu);  // |e| < 2^(biased - 126)
+  int h = 0;  // 2^h >= 2 rank
+  while ((int64_t{1} << h) < 2 * rank) ++h;
+  const int shift = biased == 0xFF ? 0 : std::max(biased - 126 + h, 0);
+  const int s1 = shift / 2, s2 = shift - s1;
+  const float down1 = PowerOfTwo(-s1), down2 = PowerOfTwo(-s2);
+  for (int64_t j = 0; j < rank; ++j) e[j] = e[j] * down1 * down2;
+  up[0] = PowerOfTwo(s1);
+  up[1] = PowerOfTwo(s2);
+}
+
+// The dots d[0, n) of a Headroom-scaled e scaled back to those of e.
+inline void ScaleBack(float* d, int64_t n, const float* up) {
+  for (int64_t i = 0; i < n; ++i) d[i] = d[i] * up[0] * up[1];
+}
+
 // ---------------------------------------------------------------------------------------------
 // Aligned scratch memory.
 
@@ -185,7 +219,8 @@ struct Problem {
 
 struct Step {
   int64_t k;
-  const float* e;          // [B][rank8], zero padded, 64-byte aligned
+  const float* e;          // [B][rank8] scaled by Headroom, zero padded, 64-byte aligned
+  const float* up;         // [B][2] the powers of two that scale the dots of e back (Headroom)
   const float* inv_t;      // [B]
   const uint8_t* sampled;  // [B]
   int64_t chunk_rows, num_chunks;
@@ -322,7 +357,8 @@ void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scrat
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = b * p.steps + s.k;
     const void* base = static_cast<const char*>(p.base) + (row * p.vocab + v0) * ElementBytes(p.base_t);
-    const float* d = dots + b * s.chunk_rows;
+    float* d = dots + b * s.chunk_rows;
+    ScaleBack(d, n, s.up + 2 * b);
     for (int64_t i = 0; i < n; ++i) {
       const float bias = p.int8 ? p.logit_scale * (p.w2_scale[v0 + i] * d[i]) : p.logit_scale * d[i];
       lbuf[i] = LoadAsF32(base, p.base_t, i) + bias;
@@ -708,7 +744,8 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
     const char* base = static_cast<const char*>(p.base) + (row * p.vocab + v0) * ElementBytes(p.base_t);
     void* out = p.want_logits ? static_cast<char*>(p.logits) + (row * p.vocab + v0) * ElementBytes(p.logits_t)
                               : nullptr;
-    const float* d = dots + b * cr;
+    float* d = dots + b * cr;
+    ScaleBack(d, n, s.up + 2 * b);
     switch (p.base_t) {
       case ffi::DataType::BF16:
         if (p.int8) LogitsFor<Bf16, true>(p.logits_t, p.want_logits, reinterpret_cast<const Bf16*>(base), d, scale, p.logit_scale, n, out, lbuf);
@@ -960,6 +997,7 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   float* e = e_buf.Get(B * p.rank8);
   if (e == nullptr) return ffi::Error::Internal("jax_markov_walk (cpu): out of memory");
   std::vector<uint64_t> keys(num_chunks * B);
+  std::vector<float> up(2 * B);
   const size_t w1_bytes = ElementBytes(p.w1_t);
 
   for (int64_t k = 0; k < K; ++k) {
@@ -969,9 +1007,10 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
       float* dst = e + b * p.rank8;
       for (int64_t j = 0; j < rank; ++j) dst[j] = LoadAsF32(src, p.w1_t, j);
       for (int64_t j = rank; j < p.rank8; ++j) dst[j] = 0.0f;
+      Headroom(dst, rank, up.data() + 2 * b);
       if (want_embeds) std::memcpy(static_cast<char*>(p.embeds) + ((b * K + k) * rank) * w1_bytes, src, rank * w1_bytes);
     }
-    Step step{k, e, inv_t.data(), sampled.data(), chunk_rows, num_chunks, keys.data()};
+    Step step{k, e, up.data(), inv_t.data(), sampled.data(), chunk_rows, num_chunks, keys.data()};
     auto work = std::make_shared<StepWork>();
     work->problem = &p;
     work->step = &step;
