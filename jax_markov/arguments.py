@@ -48,10 +48,6 @@ class WalkParams:
     impl: str
 
 
-def _dtype_name(d) -> str:
-    return jnp.dtype(d).name
-
-
 def _per_request(name: str, x, batch: int, kinds: str, *, scalar_kinds: str | None = None):
     """x as a [B] array of one of the dtype kinds ("f", "iu"; scalar_kinds for a scalar), in its own
     dtype: a jax.Array as it is, anything else through NumPy (jnp.asarray would wrap int64 values
