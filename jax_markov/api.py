@@ -14,14 +14,18 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
     """Draft K tokens per request with the DSpark Markov walk (SPEC.md), in one primitive.
 
     base_logits: [B, K, V] block-drafter logits (bf16/f16/f32); row k predicts draft token k.
-    anchor: [B] last committed (target-vocabulary) token of each request; clamped into [0, V_target).
+    anchor: [B] last committed (target-vocabulary) token of each request, any integer dtype; clamped
+      into [0, V_target) in its own width.
     head: a MarkovHead (float W2) or a QuantizedMarkovHead (int8 W2, see `quantize`).
-    temperature: [B] float32 (or a scalar), 0 = greedy; None = every row greedy.
+    temperature: [B] float array, or any real scalar; 0 (or negative, or NaN) = greedy, +inf = uniform
+      over the columns that are neither masked (-inf) nor padding; None = every row greedy.
     key: one PRNG key per request ([B] typed keys or [B, 2] uint32), required with temperature.
-    position: [B] sequence position of each request's first draft token, required with temperature.
+    position: [B] sequence position of each request's first draft token, required with temperature;
+      the Philox counter word is (uint32)(position + k), so it must lie in [-2^31, 2^32).
     vocab_size: columns >= vocab_size are padding, never chosen, -inf in the logits.
-    logit_scale: static float multiplying the Markov bias.
-    d2t: [V] int offsets of a reduced draft vocabulary: target id = draft id + d2t[draft id].
+    logit_scale: static finite float multiplying the Markov bias.
+    d2t: [V] int offsets of a reduced draft vocabulary: target id = draft id + d2t[draft id] (offsets
+      are clamped so that no target id leaves int32).
     return_logits / logits_dtype: also return l_k, rounded to logits_dtype before choosing.
     return_embeds: also return W1[prev_k], the confidence head's input.
     impl: "auto" (fastest supported), "reference" (pure JAX) or "ffi" (custom call, or an error).

@@ -5,6 +5,7 @@ Every error is raised at trace time and names the argument and the limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -24,13 +25,13 @@ class WalkOperands(NamedTuple):
     """
 
     base_logits: jax.Array  # [B, K, V] bf16/f16/f32
-    anchor: jax.Array  # [B] int32 (clamped into [0, V_target) where it is used)
+    anchor: jax.Array  # [B] int32 in [0, V_target) (`normalize` clamps it)
     w1: jax.Array  # [V_target, r] bf16/f16/f32
     w2: jax.Array  # [V, r] int8 or bf16/f16/f32
     w2_scale: jax.Array  # [V] or [0] float32
     temperature: jax.Array  # [B] float32, <= 0 (or NaN) means greedy
     key: jax.Array  # [B, 2] uint32 Philox key words
-    position: jax.Array  # [B] int32
+    position: jax.Array  # [B] int32: the bits of Philox counter word 1 (uint32)(position)
     d2t: jax.Array  # [V] or [0] int32
 
 
@@ -47,22 +48,56 @@ class WalkParams:
     impl: str
 
 
-def _dtype_name(d) -> str:
-    return jnp.dtype(d).name
-
-
-def _per_request(name: str, x, batch: int, dtype, kinds: str):
-    x = jnp.asarray(x)
-    if x.dtype.kind not in kinds:
+def _per_request(name: str, x, batch: int, kinds: str, *, scalar_kinds: str | None = None):
+    """x as a [B] array of one of the dtype kinds ("f", "iu"; scalar_kinds for a scalar), in its own
+    dtype: a jax.Array as it is, anything else through NumPy (jnp.asarray would wrap int64 values
+    into int32 where x64 is off)."""
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    allowed = scalar_kinds if x.ndim == 0 and scalar_kinds else kinds
+    if x.dtype.kind not in allowed:
         raise TypeError(f"{name} must be {'an integer' if kinds == 'iu' else 'a float'} array, got {x.dtype}")
     if x.ndim == 0:
-        x = jnp.broadcast_to(x, (batch,))
+        x = (np if isinstance(x, np.ndarray) else jnp).broadcast_to(x, (batch,))
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}] (or be a scalar), got {list(x.shape)}")
-    return x.astype(dtype)
+    return x
 
 
-def _key_words(key, batch: int):
+def clamp_to_int32(x, lo: int, hi: int):
+    """Integer array x clamped into [lo, hi] in its own dtype (NumPy or jnp, as x is), then int32 (low
+    32 bits): a value too wide for int32 saturates instead of wrapping."""
+    info = np.iinfo(x.dtype)
+    lo, hi = np.asarray(max(lo, info.min), x.dtype), np.asarray(min(hi, info.max), x.dtype)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return jnp.asarray(xp.clip(x, lo, hi).astype(np.int32))
+
+
+# Philox counter word 1 is (uint32)(position + k) (SPEC.md): int32 and uint32 positions both keep
+# their meaning; wider ones must lie in their union, or two positions would share one noise stream.
+POSITION_RANGE = (-(2**31), 2**32 - 1)
+
+
+def request_positions(position, batch: int):
+    """position [B] (any integer dtype, or a scalar) as int32 Philox counter bits. A concrete value
+    outside POSITION_RANGE is an error; a traced one (checked only where the dtype is wider than 32
+    bits) is clamped into it."""
+    position = _per_request("position", position, batch, "iu")
+    info = np.iinfo(position.dtype)
+    lo, hi = POSITION_RANGE
+    if info.min < lo or info.max > hi:
+        try:
+            low, high = int(position.min()), int(position.max())
+        except jax.errors.ConcretizationTypeError:
+            pass  # traced: clamped below
+        else:
+            if low < lo or high > hi:
+                raise ValueError(f"position must lie in [-2^31, 2^32) (the Philox counter word is (uint32)(position "
+                                 f"+ k)), got values in [{low}, {high}]")
+    return clamp_to_int32(position, lo, hi)
+
+
+def request_keys(key, batch: int):
+    """key ([B] typed PRNG keys or their [B, 2] uint32 data) as [B, 2] uint32 Philox key words."""
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != (batch,):
@@ -93,7 +128,10 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
             raise ValueError(f"head.scale must be float32 [V] = {list(w2.shape[:1])} (one scale per row of q), "
                              f"got {w2_scale.dtype}{list(w2_scale.shape)}")
     else:
-        raise TypeError(f"head must be a MarkovHead or a QuantizedMarkovHead, got {type(head).__name__}")
+        kind = type(head).__qualname__
+        kind = kind if type(head).__module__ == "builtins" else f"{type(head).__module__}.{kind}"
+        hint = " (a module: pass its .head(), or call its .walk)" if callable(getattr(head, "head", None)) else ""
+        raise TypeError(f"head must be a jax_markov.MarkovHead or a jax_markov.QuantizedMarkovHead, got {kind}{hint}")
     if w1.ndim != 2 or w1.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"head.w1 must be a [V_target, r] bfloat16/float16/float32 array, got {w1.dtype}{list(w1.shape)}")
     v_target, rank = w1.shape
@@ -113,17 +151,20 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
     if vocab != w2.shape[0]:
         raise ValueError(f"base_logits vocabulary V = {vocab} must equal the head's draft vocabulary {w2.shape[0]}")
 
-    anchor = _per_request("anchor", anchor, batch, jnp.int32, "iu")
+    anchor = clamp_to_int32(_per_request("anchor", anchor, batch, "iu"), 0, v_target - 1)
 
     if vocab_size is None:
         vocab_size = vocab
-    if not isinstance(vocab_size, int | np.integer) or not 1 <= int(vocab_size) <= vocab:
+    if (not isinstance(vocab_size, int | np.integer) or isinstance(vocab_size, bool)
+            or not 1 <= int(vocab_size) <= vocab):
         raise ValueError(f"vocab_size must be a static int in [1, V = {vocab}], got {vocab_size!r}")
 
     try:
         logit_scale = float(logit_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    except (TypeError, ValueError) as e:  # a traced value is a TypeError (ConcretizationTypeError)
         raise TypeError(f"logit_scale must be a static Python float, got {logit_scale!r}") from e
+    if not math.isfinite(logit_scale):
+        raise ValueError(f"logit_scale must be finite (it multiplies every bias), got {logit_scale}")
 
     sampling = temperature is not None
     if sampling:
@@ -132,9 +173,10 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
         if position is None:
             raise ValueError("position is required when temperature is given (the sequence position of "
                              "each request's first draft token)")
-        temperature = _per_request("temperature", temperature, batch, jnp.float32, "f")
-        key = _key_words(key, batch)
-        position = _per_request("position", position, batch, jnp.int32, "iu")
+        temperature = jnp.asarray(_per_request("temperature", temperature, batch, "f", scalar_kinds="iuf"),
+                                  jnp.float32)
+        key = request_keys(key, batch)
+        position = request_positions(position, batch)
     else:
         if key is not None or position is not None:
             raise ValueError("key and position are only used with temperature; pass temperature "
@@ -146,11 +188,12 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
     if d2t is None:
         d2t = jnp.zeros((0,), jnp.int32)
     else:
-        d2t = jnp.asarray(d2t)
+        d2t = d2t if isinstance(d2t, jax.Array) else np.asarray(d2t)
         if d2t.dtype.kind not in "iu" or d2t.shape != (vocab,):
             raise ValueError(f"d2t must be an integer array [V] = [{vocab}] (target id = draft id + d2t[id]), "
                              f"got {d2t.dtype}{list(d2t.shape)}")
-        d2t = d2t.astype(jnp.int32)
+        # no target id v + d2t[v] (v < V) leaves int32
+        d2t = clamp_to_int32(d2t, -(2**31), 2**31 - vocab)
 
     try:
         logits_dtype = jnp.dtype(logits_dtype)

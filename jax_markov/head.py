@@ -5,9 +5,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_ROWS_LISTED = 10
 
 
 def _mib(nbytes: int) -> str:
@@ -91,7 +93,11 @@ class QuantizedMarkovHead:
 
 def quantize(head: MarkovHead) -> QuantizedMarkovHead:
     """int8 W2 with one fp32 scale per row, exactly as SPEC.md: scale = max|row| / 127
-    (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127]."""
+    (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127].
+
+    int8 cannot hold a NaN or an infinity: called eagerly, a W2 with such values is an error naming
+    their rows; under a transformation (jit, vmap), where the values are not known, such a row gets
+    a NaN scale (and q = 0), so that the int8 head's bias of that row is NaN, as the float head's is."""
     if isinstance(head, QuantizedMarkovHead):
         return head
     if not isinstance(head, MarkovHead):
@@ -99,6 +105,14 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
     if head.w2.ndim != 2 or head.w2.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"head.w2 must be a [V, r] bfloat16/float16/float32 array, got {head.w2.dtype}{list(head.w2.shape)}")
     w2 = head.w2.astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(w2), axis=1)
+    if not isinstance(finite, jax.core.Tracer):
+        rows = np.flatnonzero(~np.asarray(finite))
+        if rows.size:
+            shown = ", ".join(map(str, rows[:_MAX_ROWS_LISTED]))
+            more = f" (and {rows.size - _MAX_ROWS_LISTED} more)" if rows.size > _MAX_ROWS_LISTED else ""
+            raise ValueError(f"quantize: W2 rows [{shown}]{more} hold NaN or infinite values, which int8 cannot "
+                             f"represent ({rows.size} of {w2.shape[0]} rows)")
     amax = jnp.max(jnp.abs(w2), axis=1)
     # XLA rewrites `x / broadcast(y)` as `x * broadcast(1 / y)`, which is not the division SPEC.md
     # asks for (scale and q would differ from max|row| / 127 and round(W2 / scale) in the last bit).
@@ -108,4 +122,5 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
     scale = jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
     divisor = lax.optimization_barrier(jnp.broadcast_to(scale[:, None], w2.shape))
     q = jnp.clip(jnp.round(w2 / divisor), -127, 127).astype(jnp.int8)
-    return QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)
+    q = jnp.where(finite[:, None], q, jnp.int8(0))
+    return QuantizedMarkovHead(w1=head.w1, q=q, scale=jnp.where(finite, scale, jnp.float32(jnp.nan)))

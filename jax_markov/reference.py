@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import arguments
-from .philox import gumbel_noise
+from .philox import gumbel_noise_range
 from .result import WalkResult, to_result
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -17,15 +17,41 @@ ROW_BITS = {2: jnp.uint16, 4: jnp.uint32}  # W1 itemsize -> the unsigned integer
 _CONTRACT_RANK = (((1,), (1,)), ((), ()))  # [B, r] x [V, r] -> [B, V]
 
 
+def _power_of_two(k):
+    """2^k as float32 for integer k in [-126, 127] (exact: the exponent bits set directly)."""
+    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+def headroom_shifts(e, rank: int):
+    """(s1, s2) [B] int32 >= 0 such that |e| * 2^-(s1 + s2) < 1 / (2r) for each row of e [B, r]: a dot
+    of such a row with any finite fp32 row of W2 then never overflows in any partial sum. 0 where e
+    is small, zero or holds an infinity or NaN (IEEE arithmetic then decides). Two shifts keep each
+    power of two a normal float32 (s goes up to 128 + log2(2r))."""
+    biased = (lax.bitcast_convert_type(jnp.max(jnp.abs(e.astype(jnp.float32)), axis=1), jnp.int32) >> 23) & 0xFF
+    # max|e| < 2^(biased - 126), and h = (2r - 1).bit_length() is the least h with 2^h >= 2r
+    s = jnp.where(biased == 0xFF, 0, jnp.maximum(biased - 126 + (2 * rank - 1).bit_length(), 0))
+    return s // 2, s - s // 2
+
+
 def markov_bias(e, w2, w2_scale, logit_scale: float):
-    """logit_scale * (W2 @ e) for a batch of embeddings e [B, r], float32 [B, V]."""
+    """logit_scale * (W2 @ e) for a batch of embeddings e [B, r], float32 [B, V].
+
+    The fp32 dot runs on e scaled down by a power of two (`headroom_shifts`) and is scaled back up:
+    exact wherever the result is finite, and a bias too large for fp32 is +-inf by its sign, never the
+    NaN of partial sums that overflowed both ways. A float16 e and float16 W2
+    need no scaling (|products| <= 2^32) and could not take it (float16's exponent range is narrow)."""
+    dtype = jnp.dtype(jnp.float32) if w2.dtype == jnp.int8 else jnp.promote_types(e.dtype, w2.dtype)
+    scaled = dtype != jnp.float16
+    e = e.astype(dtype)
+    if scaled:
+        s1, s2 = headroom_shifts(e, w2.shape[1])
+        e = e * _power_of_two(-s1)[:, None].astype(dtype) * _power_of_two(-s2)[:, None].astype(dtype)
+    dot = lax.dot_general(e, w2.astype(dtype), _CONTRACT_RANK, precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
+    if scaled:
+        dot = dot * _power_of_two(s1)[:, None] * _power_of_two(s2)[:, None]
     if w2.dtype == jnp.int8:
-        dot = lax.dot_general(e.astype(jnp.float32), w2.astype(jnp.float32), _CONTRACT_RANK,
-                              precision=_HIGHEST, preferred_element_type=jnp.float32)
         return jnp.float32(logit_scale) * (w2_scale[None, :] * dot)
-    common = jnp.promote_types(e.dtype, w2.dtype)
-    dot = lax.dot_general(e.astype(common), w2.astype(common), _CONTRACT_RANK,
-                          precision=_HIGHEST, preferred_element_type=jnp.float32)
     return jnp.float32(logit_scale) * dot
 
 
@@ -53,14 +79,21 @@ def spec_argmax(score):
     return jnp.where(nan.any(axis=-1), jnp.argmax(nan, axis=-1), best).astype(jnp.int32)
 
 
-def step_scorer(columns, temperature, key, position, params: arguments.WalkParams):
-    """f(logits, k) -> (l_k, score) of SPEC.md for columns (global vocabulary indices): padding
-    -inf, l_k rounded to logits_dtype when logits are asked for, and the score chosen from (l_k
-    for greedy rows, l_k * (1/T) + g(v) for sampled rows)."""
-    valid = columns < params.vocab_size
+def gumbel_max_score(logits, inv_t, noise):
+    """The score of a sampled row (SPEC.md): l * (1/T) + g, except that a column whose l is -inf (masked,
+    or padding) scores -inf, never the NaN of -inf * 0 (1/T = 0 at T = +inf, where the row is then
+    sampled uniformly among the other columns)."""
+    return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t + noise)
+
+
+def step_scorer(start, count: int, temperature, key, position, params: arguments.WalkParams):
+    """f(logits, k) -> (l_k, score) of SPEC.md for the `count` columns from global vocabulary index
+    `start` (an int, or traced in a vocabulary shard): padding -inf, l_k rounded to logits_dtype when
+    logits are asked for, and the score chosen from (l_k for greedy rows, `gumbel_max_score` for
+    sampled rows)."""
+    valid = start + jnp.arange(count, dtype=jnp.int32) < params.vocab_size
     sampled = temperature > 0
     inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
-    key_words = (key[:, 0:1], key[:, 1:2])
 
     def scores(logits, k):
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
@@ -71,8 +104,8 @@ def step_scorer(columns, temperature, key, position, params: arguments.WalkParam
             logits = rounded.astype(jnp.float32)
         if not params.sampling:
             return logits, logits
-        noise = gumbel_noise(key_words, columns[None, :], (position + k)[:, None])
-        return logits, jnp.where(sampled[:, None], logits * inv_t[:, None] + noise, logits)
+        noise = gumbel_noise_range((key[:, 0], key[:, 1]), start, count, position + k)
+        return logits, jnp.where(sampled[:, None], gumbel_max_score(logits, inv_t[:, None], noise), logits)
 
     return scores
 
@@ -81,7 +114,7 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
     """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
     base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
     v_target = w1.shape[0]
-    scores = step_scorer(jnp.arange(base.shape[2], dtype=jnp.int32), temperature, key, position, params)
+    scores = step_scorer(0, base.shape[2], temperature, key, position, params)
 
     def step(prev, xs):
         base_k, k = xs

@@ -195,8 +195,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
         v_local = base.shape[2]
         shard = lax.axis_index(vocab_axes)
         offset = shard * v_local
-        columns = offset + jnp.arange(v_local, dtype=jnp.int32)  # global column index
-        scores = step_scorer(columns, temperature, key, position, params)
+        scores = step_scorer(offset, v_local, temperature, key, position, params)  # global columns
         w1_rows = w1.shape[0]
         v_target = w1_rows * (n_vocab if w1_sharded else 1)
 

@@ -34,47 +34,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .arguments import _key_words
-from .philox import _M0, _M1, _W0, _W1, _mulhilo, uniform_from_bits
+from . import philox
+from .arguments import request_keys, request_positions
+from .reference import gumbel_max_score
 
 ACCEPT_STREAM = np.uint32(0x40000001)
 RESAMPLE_STREAM = np.uint32(0x40000002)
 
 
 # -- random streams -------------------------------------------------------------------------------
-def _philox_word0(c0, c1, c2, key_words_0, key_words_1):
-    """Word 0 of Philox4x32-10 at counter (c0, c1, c2, 0): `jax_markov.philox.philox4x32_10` with its
-    ten rounds in a fori_loop (one round traced instead of ten keeps the decode loop's compile short)."""
-    shape = jnp.broadcast_shapes(jnp.shape(c0), jnp.shape(c1), jnp.shape(c2), jnp.shape(key_words_0))
-    c = tuple(jnp.broadcast_to(jnp.asarray(x).astype(jnp.uint32), shape) for x in (c0, c1, c2, np.uint32(0)))
-    k = tuple(jnp.broadcast_to(jnp.asarray(x).astype(jnp.uint32), shape) for x in (key_words_0, key_words_1))
-
-    def round_(_, state):
-        c0, c1, c2, c3, k0, k1 = state
-        hi0, lo0 = _mulhilo(_M0, c0)
-        hi1, lo1 = _mulhilo(_M1, c2)
-        return hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0, k0 + _W0, k1 + _W1
-
-    return lax.fori_loop(0, 10, round_, c + k)[0]
-
-
+# Philox's ten rounds run in a fori_loop here (unroll=False): one round traced instead of ten keeps
+# the decode loop's compile short.
 def accept_uniform(key_words, position):
     """u in (0, 1) for accepting the draft token at sequence position `position` ([B, ...]):
     Philox word 0 at counter (0, position, ACCEPT_STREAM, 0), key = the request's key words."""
     words = jnp.asarray(key_words, jnp.uint32)
     extra = (1,) * (jnp.ndim(position) - 1)
-    x = _philox_word0(np.uint32(0), position, ACCEPT_STREAM, words[:, 0].reshape(-1, *extra),
-                      words[:, 1].reshape(-1, *extra))
-    return uniform_from_bits(x)
+    key = (words[:, 0].reshape(-1, *extra), words[:, 1].reshape(-1, *extra))
+    x = philox.philox4x32_10((np.uint32(0), position, ACCEPT_STREAM, np.uint32(0)), key, unroll=False)[0]
+    return philox.uniform_from_bits(x)
 
 
 def resample_noise(key_words, position, vocab: int):
     """Gumbel noise [B, V] for the token the target chooses at sequence position `position` [B]:
     -log(-log(u)), u from Philox word 0 at counter (v, position, RESAMPLE_STREAM, 0)."""
     words = jnp.asarray(key_words, jnp.uint32)
-    x = _philox_word0(jnp.arange(vocab, dtype=jnp.uint32)[None, :], jnp.asarray(position)[:, None], RESAMPLE_STREAM,
-                      words[:, 0:1], words[:, 1:2])
-    return -jnp.log(-jnp.log(uniform_from_bits(x)))
+    counter = (jnp.arange(vocab, dtype=jnp.uint32)[None, :], jnp.asarray(position)[:, None], RESAMPLE_STREAM,
+               np.uint32(0))
+    x = philox.philox4x32_10(counter, (words[:, 0:1], words[:, 1:2]), unroll=False)[0]
+    return philox.gumbel_from_bits(x)
 
 
 def _mask_padding(logits, vocab_size):
@@ -91,6 +79,12 @@ def _inverse_temperature(temperature, batch):
     return sampled, jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, t, 1.0), jnp.float32(1.0))
 
 
+def _tempered(logits, inv_t):
+    """logits * (1/T), -inf staying -inf (1/T is 0 at T = +inf): the masked and padding columns keep
+    probability 0 and the others are uniform there, as in the walk (SPEC.md)."""
+    return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t)
+
+
 def choose_token(logits, *, temperature=None, key_words=None, position=None, vocab_size=None):
     """The target's own choice from logits [B, V]: argmax on greedy rows, Gumbel-max with the
     resample stream at `position` [B] on sampled rows (an exact sample of softmax(logits / T))."""
@@ -99,7 +93,7 @@ def choose_token(logits, *, temperature=None, key_words=None, position=None, voc
     if temperature is None:
         return greedy
     sampled, inv_t = _inverse_temperature(temperature, logits.shape[0])
-    score = logits * inv_t[:, None] + resample_noise(key_words, position, logits.shape[-1])
+    score = gumbel_max_score(logits, inv_t[:, None], resample_noise(key_words, position, logits.shape[-1]))
     return jnp.where(sampled, jnp.argmax(score, axis=-1).astype(jnp.int32), greedy)
 
 
@@ -146,12 +140,12 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
             raise ValueError(f"draft_logits must be [B, K, V] = [{b}, {k}, {vocab}], got {list(draft_logits.shape)}")
         if key is None or position is None:
             raise ValueError("key and position are required with temperature")
-        words = _key_words(key, b)
-        position = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
+        words = request_keys(key, b)
+        position = request_positions(position, b)
         sampled, inv_t = _inverse_temperature(temperature, b)
         dl = _mask_padding(draft_logits.astype(jnp.float32), vocab_size)
-        p = jax.nn.softmax(tl * inv_t[:, None, None], axis=-1)  # [B, K+1, V]
-        q = jax.nn.softmax(dl * inv_t[:, None, None], axis=-1)  # [B, K, V]
+        p = jax.nn.softmax(_tempered(tl, inv_t[:, None, None]), axis=-1)  # [B, K+1, V]
+        q = jax.nn.softmax(_tempered(dl, inv_t[:, None, None]), axis=-1)  # [B, K, V]
         p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
         u = accept_uniform(words, position[:, None] + steps[None, :k])
@@ -235,7 +229,7 @@ def _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens):
     t = jnp.asarray(temperature, jnp.float32)
     if t.ndim not in (0, 1) or (t.ndim == 1 and t.shape != (b,)):
         raise ValueError(f"temperature must be a scalar or [B] = [{b}], got shape {list(t.shape)}")
-    return prompt, lengths, jnp.broadcast_to(t, (b,)), _key_words(key, b)
+    return prompt, lengths, jnp.broadcast_to(t, (b,)), request_keys(key, b)
 
 
 def _finish(tokens, length, done, count_new, emitted, limit, eos_id):

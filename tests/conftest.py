@@ -123,7 +123,8 @@ def tokens_match(ref_scores, tokens_ref, tokens_got, tol, *, rtol=0.0, d2t=None,
 
 def reference_scores(logits, temperature=None, key=None, position=None):
     """The scores a walk chose from, given its logits [B, K, V] (SPEC.md): the logits for greedy
-    rows, l * (1/T) + g(v) for sampled rows (temperature > 0). For assert_tokens_match."""
+    rows, l * (1/T) + g(v) for sampled rows (temperature > 0), -inf where l is -inf (also at 1/T = 0).
+    For assert_tokens_match."""
     logits = jnp.asarray(logits).astype(jnp.float32)
     if temperature is None:
         return logits
@@ -146,7 +147,8 @@ def _sampled_scores(logits, temperature, key, position):
     pos = position[:, None, None] + jnp.arange(steps, dtype=jnp.int32)[None, :, None]
     noise = gumbel_noise((key[:, 0, None, None], key[:, 1, None, None]),
                          jnp.arange(vocab, dtype=jnp.int32)[None, None, :], pos)
-    return jnp.where(sampled[:, None, None], logits * inv_t[:, None, None] + noise, logits)
+    scores = jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t[:, None, None] + noise)  # -inf stays -inf
+    return jnp.where(sampled[:, None, None], scores, logits)
 
 
 @pytest.fixture

@@ -117,7 +117,7 @@ ERRORS = [
     ("w2_dtype", lambda kw: _with_head(kw, w2=jnp.zeros((V, R), jnp.int32)), TypeError,
      r"head.w2 must be bfloat16, float16 or float32, got int32"),
     ("head_type", lambda kw: dict(kw, head=(kw["head"].w1, kw["head"].w2)), TypeError,
-     r"head must be a MarkovHead or a QuantizedMarkovHead, got tuple"),
+     r"head must be a jax_markov.MarkovHead or a jax_markov.QuantizedMarkovHead, got tuple"),
     ("q_dtype", lambda kw: _with_head(kw, q=jnp.zeros((V, R), jnp.float32)), TypeError, r"head.q .* must be int8"),
     ("scale_shape", lambda kw: _with_head(kw, scale=jnp.ones((V + 1,), jnp.float32)), ValueError,
      rf"head.scale must be float32 \[V\] = \[{V}\]"),
@@ -148,6 +148,13 @@ ERRORS = [
     ("vocab_size_zero", lambda kw: dict(kw, vocab_size=0), ValueError, rf"vocab_size must be a static int in \[1, V = {V}\]"),
     ("vocab_size_big", lambda kw: dict(kw, vocab_size=V + 1), ValueError, r"vocab_size must be a static int"),
     ("vocab_size_float", lambda kw: dict(kw, vocab_size=2.0), ValueError, r"vocab_size must be a static int"),
+    ("vocab_size_bool", lambda kw: dict(kw, vocab_size=True), ValueError, r"vocab_size must be a static int .*got True"),
+    ("logit_scale_nan", lambda kw: dict(kw, logit_scale=float("nan")), ValueError, r"logit_scale must be finite"),
+    ("logit_scale_inf", lambda kw: dict(kw, logit_scale=-np.inf), ValueError, r"logit_scale must be finite"),
+    ("logit_scale_text", lambda kw: dict(kw, logit_scale="abc"), TypeError,
+     r"logit_scale must be a static Python float, got 'abc'"),
+    ("temperature_bool", lambda kw: dict(_sampled(kw), temperature=True), TypeError,
+     r"temperature must be a float array, got bool"),
     ("d2t_shape", lambda kw: dict(kw, d2t=jnp.zeros((V + 1,), jnp.int32)), ValueError, rf"d2t must be an integer array \[V\] = \[{V}\]"),
     ("d2t_rank", lambda kw: dict(kw, d2t=jnp.zeros((1, V), jnp.int32)), ValueError, r"d2t must be"),
     ("d2t_dtype", lambda kw: dict(kw, d2t=jnp.zeros((V,), jnp.float32)), ValueError, r"d2t must be an integer array"),
@@ -179,6 +186,62 @@ def test_traced_static_arguments_rejected():
         jax.jit(lambda n: jax_markov.walk(**kw, vocab_size=n))(5)
     with pytest.raises(ValueError, match="only implements impl='reference'"):
         reference.walk(**kw, impl="auto")
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_temperature_is_any_real_scalar(setup, impl):
+    """temperature=0 as a Python or NumPy int is greedy ("0 = greedy"), 1 as an int is 1.0."""
+    head, inputs = setup
+    kw = dict(inputs, head=head, impl=impl)
+    greedy = np.asarray(jax_markov.walk(inputs["base_logits"], inputs["anchor"], head, impl=impl).tokens)
+    for zero in (0, np.int32(0), np.uint8(0), 0.0, np.float64(0.0)):
+        np.testing.assert_array_equal(np.asarray(jax_markov.walk(**dict(kw, temperature=zero)).tokens), greedy)
+    one = np.asarray(jax_markov.walk(**dict(kw, temperature=1.0)).tokens)
+    np.testing.assert_array_equal(np.asarray(jax_markov.walk(**dict(kw, temperature=1)).tokens), one)
+    assert not np.array_equal(one, greedy)  # the rows really are sampled
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_wide_ids_are_clamped_in_their_own_width(rng, make_head, make_inputs, impl):
+    """Anchors, positions and d2t values wider than int32 are clamped before the cast (they used to
+    wrap mod 2^32: an anchor of 3e9 read W1[0], 2^32 + 3 read W1[3])."""
+    head = make_head(rng, V, R, v_target=VT)
+    inputs = make_inputs(rng, 2, K, V, v_target=VT, sampled=True)
+    w1 = np.asarray(head.w1)
+    embeds = lambda anchor, **kw: np.asarray(jax_markov.walk(
+        inputs["base_logits"], anchor, head, return_embeds=True, impl=impl, **kw).embeds[:, 0])
+    np.testing.assert_array_equal(embeds(jnp.array([3_000_000_000, 5], jnp.uint32)), w1[[VT - 1, 5]])
+    np.testing.assert_array_equal(embeds(np.array([2**32 + 3, -(2**40)])), w1[[VT - 1, 0]])  # NumPy int64, x64 off
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(embeds(jnp.array([2**32 + 3, 5], jnp.int64)), w1[[VT - 1, 5]])
+        d2t = np.zeros(V, np.int64)
+        d2t[2] = 2**32 + 3
+        base = inputs["base_logits"].at[:, 0, 2].set(1e4)  # column 2 first: target id 2 + (2^31 - V)
+        tokens = jax_markov.walk(base, inputs["anchor"], head, d2t=jnp.asarray(d2t), impl=impl).tokens
+        assert tokens.dtype == jnp.int32 and np.all(np.asarray(tokens)[:, 0] == 2**31 - V + 2)
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_positions_keep_their_philox_counter_or_are_refused(setup, impl):
+    """position: int32 and uint32 values are the counter bits (uint32)(position + k) (SPEC.md), so a
+    uint32 position equals the int32 one with its bits; a concrete wider value outside [-2^31, 2^32)
+    is an error naming position (it would share a stream with another position); a traced one is
+    clamped into that range."""
+    head, inputs = setup
+    inputs = dict(inputs, temperature=jnp.ones((B,), jnp.float32))
+    walk = lambda **kw: np.asarray(jax_markov.walk(head=head, impl=impl, **dict(inputs, **kw)).tokens)
+    bits = np.array([3_000_000_000, 4_000_000_000, 7], np.uint32)
+    np.testing.assert_array_equal(walk(position=jnp.asarray(bits)), walk(position=jnp.asarray(bits.astype(np.int32))))
+    np.testing.assert_array_equal(walk(position=bits.astype(np.int64)), walk(position=jnp.asarray(bits)))
+    for bad in (np.array([2**32, 0, 0]), np.array([0, -(2**31) - 1, 0])):
+        with pytest.raises(ValueError, match=r"position must lie in \[-2\^31, 2\^32\)"):
+            walk(position=bad)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="position must lie in"):
+            walk(position=jnp.array([2**40, 0, 0], jnp.int64))
+        traced = jax.jit(lambda p: jax_markov.walk(head=head, impl=impl, **dict(inputs, position=p)).tokens)
+        np.testing.assert_array_equal(np.asarray(traced(jnp.array([2**40, -(2**40), 7], jnp.int64))),
+                                      walk(position=jnp.array([2**32 - 1, -(2**31), 7], jnp.int64)))
 
 
 @pytest.mark.skipif(native.cpu_available(), reason="the CPU custom call is built")

@@ -156,17 +156,19 @@ def walk(impl, base, anchor, head, **kw):
 
 
 def numpy_gumbel(k0, k1, v, position):
-    """SPEC.md's noise g(v) in numpy (Philox4x32-10 word 0 at (v, position, 0x40000000, 0)), to judge
-    near-ties; broadcasts its arguments. (The walk itself is checked against jax_markov.philox.)"""
+    """SPEC.md's noise g(v) in numpy (word v mod 4 of Philox4x32-10 at (v // 4, position, 0x40000000, 0)),
+    to judge near-ties; broadcasts its arguments. (The walk itself is checked against jax_markov.philox.)"""
     m = np.uint64(0xFFFFFFFF)
-    c0, c1 = np.asarray(v, np.uint64), np.asarray(position, np.uint64) & m
+    v = np.asarray(v, np.uint64)
+    c0, c1 = v // np.uint64(4), np.asarray(position, np.uint64) & m
     c2, c3 = np.uint64(0x40000000), np.uint64(0)
     k0, k1 = np.asarray(k0, np.uint64), np.asarray(k1, np.uint64)
     for _ in range(10):
         p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
         c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m, (k1 + np.uint64(0xBB67AE85)) & m
-    u = ((c0 >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    word = np.choose((v % np.uint64(4)).astype(np.int64), np.broadcast_arrays(c0, c1, c2, c3))
+    u = ((word >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -np.log(-np.log(u))
 
 
@@ -191,7 +193,7 @@ def reference_scores(ref_logits, kw, steps):
     noise = numpy_gumbel(key[:, 0, None, None], key[:, 1, None, None], np.arange(vocab)[None, None, :],
                          (position[:, None] + np.arange(steps))[:, :, None])
     with np.errstate(invalid="ignore"):
-        scores = logits * inv_t[:, None, None] + noise
+        scores = np.where(logits == -np.inf, -np.inf, logits * inv_t[:, None, None] + noise)  # -inf scores -inf
     return np.where(sampled[:, None, None], scores, logits)
 
 
@@ -415,6 +417,122 @@ def test_padding(rng, isa, mode, vocab, vocab_size):
                      **make_sampling(rng, batch, mode))
     assert np.all(np.asarray(got.tokens) < vocab_size)
     assert np.all(np.asarray(got.logits)[:, :, vocab_size:] == -np.inf)
+
+
+def _window_case(rng, batch, steps, vocab):
+    """Flat base logits (the noise decides), -inf outside a window of columns per row (the windows
+    start anywhere, not at multiples of 4 or 8), a zero head, a sampled row per request."""
+    base = np.full((batch, steps, vocab), -np.inf, np.float32)
+    windows = []
+    for b, k in np.ndindex(batch, steps):
+        start = int(rng.integers(0, vocab - 40))
+        width = int(rng.integers(1, 40))
+        base[b, k, start:start + width] = 0.25
+        windows.append((b, k, start, width))
+    head = jax_markov.MarkovHead(jnp.asarray(rng.standard_normal((vocab, 16)), jnp.float32),
+                                 jnp.zeros((vocab, 16), jnp.float32))
+    return jnp.asarray(base), head, windows
+
+
+@pytest.mark.parametrize("temperature", [1.0, np.inf])
+def test_noise_is_version_2_and_masked_columns_are_never_sampled(rng, isa, temperature):
+    """Every token is the argmax of the numpy oracle's noise (word v mod 4 of block v // 4) over its
+    row's unmasked window, on both SIMD paths, at T = 1 and at T = +inf (1/T = 0: a -inf logit must
+    still score -inf, not NaN)."""
+    batch, steps, vocab = 6, 3, 2003
+    base, head, windows = _window_case(rng, batch, steps, vocab)
+    sampling = make_sampling(rng, batch, "sampled")
+    sampling["temperature"] = jnp.full((batch,), temperature, jnp.float32)
+    got = walk("ffi", base, jnp.zeros(batch, jnp.int32), head, **sampling)
+    key = np.asarray(jax.random.key_data(sampling["key"]))
+    position = np.asarray(sampling["position"]).astype(np.int64)
+    for b, k, start, width in windows:
+        noise = numpy_gumbel(key[b, 0], key[b, 1], np.arange(start, start + width), position[b] + k)
+        assert got.tokens[b, k] == start + int(np.argmax(noise)), (b, k, start, width)
+    want = walk("reference", base, jnp.zeros(batch, jnp.int32), head, **sampling)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+@pytest.mark.parametrize("mode", ["sampled", "mixed"])
+def test_infinite_temperature_with_padding_and_masked_columns(rng, isa, mode):
+    """Issue 64: T = +inf with padding (huge logits past vocab_size) and masked (-inf) columns: the
+    tokens are the reference's exactly (the noise alone decides) and never padding or masked."""
+    batch, steps, vocab, vocab_size = 5, 4, 1500, 1203
+    head = make_head(rng, vocab, 32)
+    base = np.array(make_base(rng, batch, steps, vocab))
+    base[:, :, vocab_size:] = 1e4
+    masked = rng.random((batch, steps, vocab)) < 0.5
+    base[masked] = -np.inf
+    sampling = make_sampling(rng, batch, mode)
+    sampling["temperature"] = jnp.where(sampling["temperature"] > 0, jnp.inf, 0.0)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    got, want = compare(jnp.asarray(base), anchor, head, vocab_size=vocab_size, return_logits=True, label="T=inf",
+                        **sampling)
+    tokens = np.asarray(got.tokens)
+    np.testing.assert_array_equal(tokens, np.asarray(want.tokens))
+    assert tokens.max() < vocab_size
+    assert not masked[np.arange(batch)[:, None], np.arange(steps)[None, :], tokens].any()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("w2_dtype", [jnp.float32, jnp.int8])
+def test_overflow_agrees_with_the_reference(rng, isa, batch, w2_dtype):
+    """Weights near 1e19 with random signs: the dots overflow in partial sums of both signs. The
+    custom call gives the reference's logits: +-inf by the sign of the dot, never NaN (it gave NaN
+    where its 8 lanes overflowed in opposite directions), and the same tokens."""
+    vocab, rank = 1000, 256
+    w1 = rng.uniform(0.5, 1.5, (vocab, rank)) * 1e19 * rng.choice([-1, 1], (vocab, rank))
+    w2 = rng.uniform(0.5, 1.5, (vocab, rank)) * 1e19 * rng.choice([-1, 1], (vocab, rank))
+    head = (quantize(jnp.asarray(w1, jnp.float32), w2) if w2_dtype == jnp.int8
+            else jax_markov.MarkovHead(jnp.asarray(w1, jnp.float32), jnp.asarray(w2, jnp.float32)))
+    base = make_base(rng, batch, 3, vocab)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    got = walk("ffi", base, anchor, head, return_logits=True)
+    want = walk("reference", base, anchor, head, return_logits=True)
+    logits, ref = np.asarray(got.logits), np.asarray(want.logits)
+    assert not np.isnan(logits).any() and np.isinf(logits).mean() > 0.5
+    np.testing.assert_array_equal(np.isinf(logits), np.isinf(ref))
+    np.testing.assert_array_equal(logits[np.isinf(ref)], ref[np.isinf(ref)])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_nan_scale_row_is_chosen_like_the_float_heads_nan_row(rng, isa):
+    """A NaN in W2's row 3: `quantize` under jit gives that row a NaN scale; the custom call then
+    chooses column 3 at every step with the int8 head and with the float head, as the reference."""
+    batch, steps, vocab = 4, 3, 1100
+    w2 = (rng.standard_normal((vocab, 32)) / np.sqrt(32)).astype(np.float32)
+    w2[3, 7] = np.nan
+    head = jax_markov.MarkovHead(jnp.asarray(rng.standard_normal((vocab, 32)), jnp.bfloat16), jnp.asarray(w2))
+    base = make_base(rng, batch, steps, vocab)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
+    sampling = make_sampling(rng, batch, "mixed")
+    for h in (head, jax.jit(jax_markov.quantize)(head)):
+        np.testing.assert_array_equal(np.asarray(walk("ffi", base, anchor, h, **sampling).tokens), 3)
+
+
+def test_ids_wider_than_int32_are_clamped_before_the_call(rng):
+    """Anchors, positions and d2t values of any integer width reach the custom call clamped in their
+    own width (not wrapped mod 2^32): the custom call and the reference agree on them."""
+    batch, steps, vocab, v_target = 4, 3, 1200, 1500
+    head = make_head(rng, vocab, 32, v_target=v_target)
+    base = make_base(rng, batch, steps, vocab)
+    anchor = np.array([3_000_000_000, 5, 2**32 + 3, -(2**40)], np.int64)  # NumPy int64, x64 off
+    d2t = np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab)
+    d2t[0] = 2**32 + 3  # target id 0 + (2^31 - V): the largest id that cannot overflow
+    sampling = make_sampling(rng, batch, "sampled")
+    sampling["position"] = np.array([3_000_000_000, 7, 2**32 - 1, 0], np.uint32)
+    base = base.at[1, 0, 0].set(1e4)  # request 1 drafts column 0 first: target id 2^31 - V
+    got, want = (jax_markov.walk(base, anchor, head, d2t=d2t, return_embeds=True, impl=impl, **sampling)
+                 for impl in ("ffi", "reference"))
+    w1 = np.asarray(head.w1)
+    for res in (got, want):
+        np.testing.assert_array_equal(np.asarray(res.embeds)[:, 0], w1[[v_target - 1, 5, v_target - 1, 0]])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert got.tokens[1, 0] == 2**31 - vocab and got.embeds[1, 1].tolist() == w1[v_target - 1].tolist()
+    # uint32 positions are the same counter bits as the int32 ones they wrap to
+    wrapped = dict(sampling, position=jnp.asarray(sampling["position"].astype(np.int32)))
+    again = jax_markov.walk(base, anchor, head, d2t=d2t, impl="ffi", **wrapped)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(got.tokens))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])

@@ -365,6 +365,44 @@ def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
         np.testing.assert_array_equal(np.asarray(got.tokens)[b], [row] * steps)
 
 
+# Issue 64's rules for sampled rows on every kernel that samples: a column whose logit is -inf (masked) is
+# never sampled, padding (vocab_size) is never chosen, and T = +inf (1/T = 0) samples uniformly among the
+# other columns: its score there is the noise alone, never the NaN of -inf * 0. B = 1 with its noise
+# ahead, 6 made in the scoring epilogue, 12 made by MarkovWalkNoise, 24 and 40 on the transposed kernel
+# (int8 W2, V % 8 == 0), and the unquantized heads; with and without logits out.
+@pytest.mark.parametrize("batch,vocab,w2_dtype", [(1, 151936, jnp.int8), (6, 151936, jnp.int8),
+                                                  (12, 151936, jnp.int8), (24, 100008, jnp.int8),
+                                                  (40, 60008, jnp.int8), (3, 30011, jnp.bfloat16),
+                                                  (20, 30011, jnp.float16)])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_masked_columns_padding_and_infinite_temperature(reference_scores, assert_tokens_match, batch, vocab, w2_dtype,
+                                                         return_logits):
+    rng = np.random.default_rng(hash((batch, vocab, str(w2_dtype), return_logits, "masked")) % 2**32)
+    steps, vocab_size = 5, vocab - 1000
+    base, anchor, head, kw = make_case(rng, batch, steps, vocab, w2_dtype=w2_dtype, mixed=True)
+    if w2_dtype == jnp.int8:
+        transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=return_logits)
+        assert transposed == [batch > 16 and vocab % 8 == 0], transposed
+    base = np.array(base.astype(jnp.float32))
+    masked = rng.random(base.shape) < 0.5
+    base[masked] = -np.inf
+    base[:, :, vocab_size:] = 1e4  # padding that would win every step
+    base = jnp.asarray(base, jnp.bfloat16)
+    kw["temperature"] = jnp.where(kw["temperature"] > 0, jnp.inf, 0.0)  # every other row greedy
+    poison_device_memory(batch * steps * vocab * 4 * 2)
+    got = jm.walk(base, anchor, head, impl="ffi", vocab_size=vocab_size, return_logits=return_logits, **kw)
+    ref = jm.walk(base, anchor, head, impl="reference", vocab_size=vocab_size, return_logits=True, **kw)
+    tokens, ref_tokens = np.asarray(got.tokens), np.asarray(ref.tokens)
+    assert tokens.max() < vocab_size
+    assert not masked[np.arange(batch)[:, None], np.arange(steps)[None, :], tokens].any()
+    scores = reference_scores(ref.logits, kw["temperature"], kw["key"], kw["position"])
+    assert not np.isnan(np.asarray(scores)).any()
+    assert_tokens_match(scores, ref_tokens, tokens, NEAR_TIE, rtol=NEAR_TIE, max_mismatch_rows=max(1, batch // 20))
+    # T = +inf rows choose by the noise alone, the same on both: their tokens are the reference's exactly
+    hot = np.asarray(kw["temperature"]) > 0
+    np.testing.assert_array_equal(tokens[hot], ref_tokens[hot])
+
+
 def test_jit_while_loop_and_vmap():
     rng = np.random.default_rng(9)
     base, anchor, head, kw = make_case(rng, 4, 7, 60013, mixed=True)

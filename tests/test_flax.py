@@ -426,3 +426,74 @@ def test_checkpoint_errors_name_missing_unexpected_and_misshaped_tensors(tmp_pat
     with pytest.raises(jmf.CheckpointError, match="markov_head.markov_w3.weight"):
         jmf.load_state_dict(head, dict(good, **{"markov_head.markov_w3.weight": np.zeros((V, R))}),
                             prefix="markov_head.")
+
+
+def test_corrupt_or_truncated_safetensors_name_the_file(tmp_path):
+    """A file that is not a valid safetensors file (truncated, garbage, missing, a broken index) is a
+    CheckpointError naming it, not the library's bare deserialisation error."""
+    from safetensors.numpy import save_file
+    drafter = jmf.DSparkDrafter(RELEASED_STYLE, rngs=nnx.Rngs(1))
+    good = {k: np.asarray(v, np.float32) for k, v in jmf.state_dict(drafter).items()}
+    save_file(good, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(data[:len(data) // 2])
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint at all")
+    (tmp_path / "broken.index.json").write_text("{\"weight_map\": ")
+    for name in ("truncated.safetensors", "garbage.safetensors", "missing.safetensors", "broken.index.json"):
+        path = tmp_path / name
+        with pytest.raises(jmf.CheckpointError, match=f"cannot read the safetensors (file|index) {path}"):
+            jmf.DSparkDrafter(RELEASED_STYLE).load_safetensors(path)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.safetensors").write_bytes(data)
+    (shards / "b.safetensors").write_bytes(data[:100])
+    with pytest.raises(jmf.CheckpointError, match=f"{shards / 'b.safetensors'}"):
+        ckpt_module.read_safetensors(shards)
+    jmf.DSparkDrafter(RELEASED_STYLE).load_safetensors(tmp_path / "model.safetensors")  # the intact file loads
+
+
+def test_the_module_passed_to_jax_markov_walk_says_what_to_pass():
+    head = jmf.MarkovHead(V, R, rngs=nnx.Rngs(0))
+    base, anchor = jnp.zeros((2, 3, V), jnp.float32) + jnp.arange(V) / V, jnp.zeros(2, jnp.int32)
+    with pytest.raises(TypeError, match=r"got jax_markov.flax.head.MarkovHead \(a module: pass its .head\(\), or "
+                                        r"call its .walk\)"):
+        jax_markov.walk(base, anchor, head)
+    np.testing.assert_array_equal(jax_markov.walk(base, anchor, head.head()).tokens, head.walk(base, anchor).tokens)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_int8_head_refuses_non_finite_w2_rows(bad):
+    """markov_quantization="int8" quantizes eagerly: a W2 row that int8 cannot hold is an error naming
+    it, when the option is set and when weights are loaded."""
+    rng = np.random.default_rng(4)
+    w1, w2 = rng.normal(0, 1, (V, R)), rng.normal(0, 1, (V, R))
+    w2[[5, 30], 2] = bad
+    head = jmf.MarkovHead(V, R, param_dtype=jnp.float32)
+    head.load_weights(w1, w2)  # float: fine (its walk sees the NaN/inf as they are)
+    with pytest.raises(ValueError, match=r"W2 rows \[5, 30\] hold NaN or infinite values"):
+        head.markov_quantization = "int8"
+    quantized = jmf.MarkovHead(V, R, param_dtype=jnp.float32, markov_quantization="int8")
+    with pytest.raises(ValueError, match=r"W2 rows \[5, 30\]"):
+        quantized.load_weights(w1, w2)
+    with pytest.raises(ValueError, match=r"W2 rows \[5, 30\]"):
+        jmf.load_state_dict(quantized, {"markov_w1.weight": w1, "markov_w2.weight": w2})
+    # no stale int8 layout is left behind to walk with
+    with pytest.raises(ValueError, match="has no int8 layout"):
+        quantized.walk(jnp.zeros((1, 2, V)), jnp.zeros(1, jnp.int32))
+    w2[[5, 30], 2] = 0.5
+    quantized.load_weights(w1, w2)
+    assert quantized.head().scale.shape == (V,)
+
+
+def test_draft_without_head_at_infinite_temperature_skips_padding_and_masked_columns():
+    """The plain drafter chooses as the walk does: at T = +inf uniformly among the columns that are
+    neither masked (-inf) nor padding, never a NaN score of -inf * 0."""
+    b, k = 4, 3
+    base = jnp.asarray(np.random.default_rng(5).normal(0, 1, (b, k, V)), jnp.float32).at[:, :, :20].set(-jnp.inf)
+    kw = dict(temperature=jnp.full((b,), jnp.inf), key=jax.random.split(jax.random.key(2), b),
+              position=jnp.arange(b) * 3, vocab_size=V - 8)
+    tokens, _ = jmf.draft_without_head(base, **kw)
+    tokens = np.asarray(tokens)
+    assert tokens.min() >= 20 and tokens.max() < V - 8
+    zero = jmf.MarkovHead(V, R, param_dtype=jnp.float32)  # zero weights: the walk of the base logits alone
+    np.testing.assert_array_equal(tokens, zero.walk(base, jnp.zeros(b, jnp.int32), **kw).tokens)

@@ -52,7 +52,8 @@ def uniform_py(x):
 
 
 def gumbel_py(k0, k1, v, position):
-    x = philox_py((v, position, 0x40000000, 0), (k0, k1))[0]
+    """SPEC.md's g(v) (version 2): word v mod 4 of the block at counter (v // 4, position, 0x40000000, 0)."""
+    x = philox_py((int(v) // 4, position, 0x40000000, 0), (k0, k1))[int(v) % 4]
     u = uniform_py(x)
     return -np.log(-np.log(u))  # float32 throughout
 
@@ -122,7 +123,7 @@ def oracle_walk(base_logits, anchor, head, *, temperature=None, key=None, positi
             best, tok = None, None
             for v in range(vocab):
                 s = row[v]
-                if sampled:
+                if sampled and s != -np.inf:  # a -inf logit scores -inf, even where 1/T is 0
                     s = np.float32(s * inv_t) + gumbel_py(key_words[b, 0], key_words[b, 1], v, position[b] + k)
                 scores[b, k, v] = s
                 if best is None:
@@ -212,6 +213,45 @@ def test_philox_and_gumbel_match_python_ints(rng):
                                        jnp.asarray(pos, jnp.int32)))
     want_g = np.array([gumbel_py(key[0, i], key[1, i], v[i], pos[i]) for i in range(n)], np.float32)
     np.testing.assert_allclose(g, want_g, rtol=1e-6, atol=1e-6)
+
+
+V1_WORD0 = lambda k0, k1, v, pos: philox_py((v, pos, 0x40000000, 0), (k0, k1))[0]  # version 1 of the noise
+
+
+@pytest.mark.parametrize("start,count", [(0, 64), (1, 9), (2, 3), (3, 14), (4097, 30)])
+def test_draft_noise_is_word_v_mod_4_of_block_v_div_4(rng, start, count):
+    """Version 2 of the draft noise against the Python-int oracle, for any first column (a multiple
+    of 4 or not): per column (gumbel_noise), for a static range (the reference's) and for a traced
+    start (a vocabulary shard's first global column)."""
+    k0, k1, pos = (int(x) for x in rng.integers(0, 2**32, 3, dtype=np.uint64))
+    columns = np.arange(start, start + count)
+    want = np.array([gumbel_py(k0, k1, v, pos) for v in columns], np.float32)
+    key = (jnp.uint32(k0), jnp.uint32(k1))
+    per_column = philox.gumbel_noise(key, jnp.asarray(columns, jnp.int32), jnp.uint32(pos))
+    static = philox.gumbel_noise_range(key, start, count, jnp.uint32(pos))
+    traced = jax.jit(lambda s: philox.gumbel_noise_range(key, s, count, jnp.uint32(pos)))(jnp.int32(start))
+    for got in (per_column, static, traced):
+        assert got.shape == (count,) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    # the test tells the word order apart: version 1 (word 0 of block v) and a reversed word order differ
+    u_of = lambda x: -np.log(-np.log(uniform_py(x)))
+    v1 = np.array([u_of(V1_WORD0(k0, k1, v, pos)) for v in columns], np.float32)
+    reversed_words = np.array([u_of(philox_py((v // 4, pos, 0x40000000, 0), (k0, k1))[3 - v % 4]) for v in columns],
+                              np.float32)
+    for wrong in (v1, reversed_words):
+        assert np.mean(np.isclose(wrong, want, rtol=1e-6, atol=1e-6)) < 0.5
+
+
+def test_draft_noise_range_broadcasts_keys_and_positions(rng):
+    """[B, K] keys and positions give [B, K, count] noise, each row its own (key, position) stream."""
+    keys = rng.integers(0, 2**32, (3, 1, 2), dtype=np.uint64).astype(np.uint32)
+    pos = rng.integers(0, 2**31, (3, 1)) + np.arange(4)
+    got = np.asarray(philox.gumbel_noise_range((jnp.asarray(keys[..., 0]), jnp.asarray(keys[..., 1])), 6, 7,
+                                               jnp.asarray(pos, jnp.int32)))
+    assert got.shape == (3, 4, 7)
+    for b, k in itertools.product(range(3), range(4)):
+        want = [gumbel_py(keys[b, 0, 0], keys[b, 0, 1], v, pos[b, k]) for v in range(6, 13)]
+        np.testing.assert_allclose(got[b, k], want, rtol=1e-6, atol=1e-6)
 
 
 def quantize_np(w2):
@@ -588,6 +628,119 @@ def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
     other = dict(inputs, key=jax.random.split(jax.random.key(5), b), position=inputs["position"] + 100)
     np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **other).tokens)[[0, 2, 3, 4]],
                                   greedy[[0, 2, 3, 4]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked columns, padding and infinite temperatures; overflow; non-finite int8 rows
+# ---------------------------------------------------------------------------------------------
+
+def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_head, assert_tokens_match):
+    """Issue 64's reproducer: T = +inf (1/T = 0) with padding (vocab_size = 50) and -inf (masked)
+    base logits. Padding and masked columns are never chosen (not -inf * 0 = NaN, which would win);
+    the tokens are the oracle's, i.e. the argmax of the noise alone over the other columns."""
+    b = jax.random.normal(jax.random.key(0), (2, 3, 64))
+    b = b.at[0, :, 5:40].set(-jnp.inf).at[1, 1].set(-jnp.inf).at[1, 1, 17].set(0.5)  # row 1 step 1: only 17
+    head = make_head(rng, 64, 8, w1_dtype=jnp.float32, w2_dtype=jnp.float32)
+    kw = dict(temperature=jnp.full(2, jnp.inf), key=jax.random.split(jax.random.key(1), 2),
+              position=jnp.asarray([5, 2**31 - 2], jnp.int32), vocab_size=50)
+    got, want = walk_both(b, jnp.asarray([1, 60], jnp.int32), head, assert_tokens_match, **kw)
+    tokens = np.asarray(got.tokens)
+    np.testing.assert_array_equal(tokens, want["tokens"])
+    assert tokens.max() < 50 and not np.isin(tokens[0], np.arange(5, 40)).any() and tokens[1, 1] == 17
+    assert not np.isnan(want["scores"]).any()
+    # the noise alone decides among the columns that are neither masked nor padding
+    key = np.asarray(jax.random.key_data(kw["key"]))
+    for i, k in itertools.product(range(2), range(3)):
+        allowed = [v for v in range(50) if np.asarray(b)[i, k, v] != -np.inf]
+        noise = [gumbel_py(key[i, 0], key[i, 1], v, int(kw["position"][i]) + k) for v in allowed]
+        assert tokens[i, k] == allowed[int(np.argmax(noise))]
+
+
+def test_infinite_temperature_is_uniform_among_the_other_columns(rng):
+    """n requests with their own keys: T = +inf draws uniformly among the 5 columns that are neither
+    masked (-inf) nor padding, whatever their logits; T = 1 does not (the negative control)."""
+    n, v = 20_000, 9
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32),
+                                 jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32))
+    row = np.array([3.0, -np.inf, 0.0, -2.0, -np.inf, 1.0, 4.0, 9.0, 9.0], np.float32)  # 7, 8: padding
+    base = jnp.broadcast_to(jnp.asarray(row), (n, 1, v))
+    kw = dict(key=jax.random.split(jax.random.key(21), n), position=jnp.full((n,), 7, jnp.int32), vocab_size=7)
+    anchor = jnp.zeros((n,), jnp.int32)
+    tokens = np.asarray(reference.walk(base, anchor, head, temperature=jnp.full((n,), jnp.inf), **kw).tokens[:, 0])
+    counts = np.bincount(tokens, minlength=v)
+    assert counts[[1, 4, 7, 8]].sum() == 0
+    assert stats.chisquare(counts[[0, 2, 3, 5, 6]]).pvalue > P_MIN, counts
+    warm = np.asarray(reference.walk(base, anchor, head, temperature=jnp.ones((n,)), **kw).tokens[:, 0])
+    assert stats.chisquare(np.bincount(warm, minlength=v)[[0, 2, 3, 5, 6]]).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("w2_dtype", [jnp.float32, jnp.bfloat16, "int8"])
+def test_overflowing_bias_is_infinite_by_its_sign_never_nan(rng, batch, w2_dtype):
+    """Weights near 1e19 with random signs: every product is finite but the fp32 dot overflows, in
+    partial sums of both signs. The bias is then +-inf by the sign of the exact (float64) dot, never
+    NaN, for one request (a matrix-vector product) and several; where the exact dot is inside the
+    fp32 range, the logit is finite and close to it."""
+    v, r = 64, 256
+    w1 = rng.uniform(0.5, 1.5, (v, r)) * 1e19 * rng.choice([-1, 1], (v, r))
+    w2 = rng.uniform(0.5, 1.5, (v, r)) * 1e19 * rng.choice([-1, 1], (v, r))
+    head = jax_markov.MarkovHead(jnp.asarray(w1, jnp.float32),
+                                 jnp.asarray(w2, jnp.float32 if w2_dtype == "int8" else w2_dtype))
+    head = jax_markov.quantize(head) if w2_dtype == "int8" else head
+    base = jnp.asarray(rng.normal(0, 1, (batch, 2, v)), jnp.float32)
+    anchor = jnp.asarray(rng.integers(0, v, batch), jnp.int32)
+    got = reference.walk(base, anchor, head, return_logits=True, return_embeds=True)
+    logits = np.asarray(got.logits)
+    assert not np.isnan(logits).any()
+    w1_64, w2_64 = (np.asarray(w, np.float64) for w in head_f32(head))
+    prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(got.tokens)[:, :-1]], axis=1)
+    exact = np.einsum("bkr,vr->bkv", w1_64[prev], w2_64) + np.asarray(base, np.float64)
+    big = np.abs(exact) > 3.5e38
+    assert big.mean() > 0.5 and (~big).any()
+    np.testing.assert_array_equal(logits[big], np.sign(exact[big]) * np.inf)
+    small = np.abs(exact) < 3.3e38
+    np.testing.assert_allclose(logits[small], exact[small], rtol=1e-4, atol=1e35)
+    # greedy: the first +inf column, where no column before it is a borderline case
+    for b, k in itertools.product(range(batch), range(2)):
+        first = int(np.argmax(exact[b, k] > 3.5e38))
+        if exact[b, k, first] > 3.5e38 and np.all(small[b, k, :first]):
+            assert got.tokens[b, k] == first
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_refuses_non_finite_rows_and_poisons_them_under_transforms(rng, bad):
+    """Eagerly, a W2 row holding a NaN or an infinity is an error naming the rows; under jit and vmap
+    it gets a NaN scale (and q = 0) while every other row quantizes as usual."""
+    v, r = 40, 16
+    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
+    w2[3, 11] = bad
+    w2[17, 0] = bad
+    w1 = jnp.asarray(rng.normal(0, 1, (v, r)), jnp.float32)
+    head = jax_markov.MarkovHead(w1, jnp.asarray(w2))
+    with pytest.raises(ValueError, match=r"W2 rows \[3, 17\] hold NaN or infinite values"):
+        jax_markov.quantize(head)
+    clean = w2.copy()
+    clean[[3, 17]] = 0.0
+    q_clean, s_clean = quantize_np(clean)
+    for q in (jax.jit(jax_markov.quantize)(head),
+              jax.tree.map(lambda x: x[0], jax.vmap(jax_markov.quantize)(jax.tree.map(lambda x: x[None], head)))):
+        scale = np.asarray(q.scale)
+        assert np.isnan(scale[[3, 17]]).all() and not np.isnan(np.delete(scale, [3, 17])).any()
+        np.testing.assert_array_equal(np.delete(scale, [3, 17]), np.delete(s_clean, [3, 17]))
+        np.testing.assert_array_equal(np.asarray(q.q), q_clean)
+
+
+def test_nan_row_drafts_alike_with_the_float_and_the_int8_head(rng, make_inputs):
+    """A NaN in W2's row 3: the float head's bias of column 3 is NaN at every step, so is the int8
+    head's (NaN scale): both choose column 3 at every step, greedy and sampled rows alike."""
+    v, r = 24, 8
+    w2 = rng.normal(0, 0.5, (v, r)).astype(np.float32)
+    w2[3, 5] = np.nan
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32), jnp.asarray(w2))
+    inputs = make_inputs(rng, 6, 3, v, sampled=True)
+    for h in (head, jax.jit(jax_markov.quantize)(head)):
+        tokens = np.asarray(reference.walk(head=h, **inputs).tokens)
+        np.testing.assert_array_equal(tokens, 3)
 
 
 # ---------------------------------------------------------------------------------------------

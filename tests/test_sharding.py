@@ -476,6 +476,42 @@ def test_vocab_layout_ties_nans_signed_zeros_and_padding(shape, batch_axis):
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(single.logits))
 
 
+@needs_8
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+def test_vocab_layout_noise_on_shards_that_start_inside_a_philox_block(shape, impl):
+    """V = 40 over 8 or 4 shards: shards of 5 or 10 columns, most of which start at a global column
+    that is not a multiple of 4, i.e. inside a Philox block (SPEC.md version 2: column v is word
+    v mod 4 of block v // 4). Flat base logits and a zero head: the noise alone decides, so every
+    token is the argmax of `philox.gumbel_noise` (pinned to the Python-int oracle in
+    test_reference.py) over the columns that are neither masked (-inf) nor padding, at T = 1 and at
+    T = +inf, as in the single-device walk."""
+    from jax_markov import philox
+
+    n_rows, steps, v, vocab_size = 8, 3, 40, 37
+    rng = np.random.default_rng(6)
+    base = np.full((n_rows, steps, v), 0.25, np.float32)
+    base[rng.random(base.shape) < 0.3] = -np.inf
+    head = jax_markov.MarkovHead(jnp.ones((v, R), jnp.float32), jnp.zeros((v, R), jnp.float32))
+    temperature = jnp.asarray([1.0, np.inf] * (n_rows // 2), jnp.float32)
+    key = jax.random.split(jax.random.key(17), n_rows)
+    position = jnp.asarray(rng.integers(0, 2**31 - steps, n_rows), jnp.int32)
+    kw = dict(base_logits=jnp.asarray(base), anchor=jnp.zeros(n_rows, jnp.int32), head=head,
+              temperature=temperature, key=key, position=position)
+    static = dict(vocab_size=vocab_size, impl=impl)
+    mesh = _mesh(shape)
+    out = jax.jit(lambda kw: sharding.walk(mesh=mesh, layout="vocab", batch_axis="batch", vocab_axis="vocab", **kw,
+                                           **static))(kw)
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_array_equal(tokens, np.asarray(jax_markov.walk(**kw, **static).tokens))
+    words = jax.random.key_data(key)
+    noise = np.asarray(philox.gumbel_noise((words[:, 0, None, None], words[:, 1, None, None]),
+                                           jnp.arange(v)[None, None, :],
+                                           (position[:, None] + jnp.arange(steps))[:, :, None]))
+    allowed = (base != -np.inf) & (np.arange(v) < vocab_size)
+    np.testing.assert_array_equal(tokens, np.argmax(np.where(allowed, noise, -np.inf), axis=-1))
+
+
 def test_ordered_score_is_the_float_order():
     values = np.array([-np.inf, -3e38, -1.0, -1e-37, -0.0, 0.0, 1e-37, 1.0, 3e38, np.inf, np.nan, -np.nan],
                       np.float32)

@@ -95,6 +95,39 @@ def test_random_streams_are_separate_from_the_draft_noise():
     assert abs(np.corrcoef(u_many, d_many)[0, 1]) < 0.06
 
 
+def test_infinite_temperature_keeps_padding_and_masked_columns_out():
+    """T = +inf (1/T = 0): the target's choice and the rejection sampler treat -inf (masked) and padding
+    columns as probability 0, never as the NaN of -inf * 0, and are uniform over the other columns: the
+    drafts (drawn uniformly too) are all accepted and the bonus token is uniform."""
+    v, k, n, vocab_size = 8, 2, 20_000, 6
+    logits = jnp.asarray([2.0, -jnp.inf, 0.5, -1.0, 3.0, 0.0, 50.0, 50.0])  # 6, 7: padding
+    keys = jax.random.split(jax.random.key(8), n)
+    temperature = jnp.full((n,), jnp.inf)
+    words = jax.random.key_data(keys)
+    allowed = [0, 2, 3, 4, 5]
+
+    @jax.jit
+    def run(logits, keys, words):
+        first = sp.choose_token(jnp.broadcast_to(logits, (n, v)), temperature=temperature, key_words=words,
+                                position=jnp.full((n,), 4), vocab_size=vocab_size)
+        drafts = jnp.asarray(allowed)[jax.random.randint(jax.random.key(9), (n, k), 0, len(allowed))]
+        verdict = sp.rejection_sample(drafts, jnp.broadcast_to(logits, (n, k + 1, v)),
+                                      jnp.broadcast_to(logits, (n, k, v)), temperature=temperature, key=keys,
+                                      position=jnp.full((n,), 4), vocab_size=vocab_size)
+        return first, verdict
+
+    first, verdict = run(logits, keys, words)
+    for tokens in (np.asarray(first), np.asarray(verdict.next_token)):
+        counts = np.bincount(tokens, minlength=v)
+        assert counts[[1, 6, 7]].sum() == 0
+        assert chi_square_p(counts[allowed], np.ones(len(allowed))) >= P_MIN
+    np.testing.assert_array_equal(verdict.num_accepted, k)
+    # the negative control: at T = 1 the same columns are not uniform
+    warm = sp.choose_token(jnp.broadcast_to(logits, (n, v)), temperature=jnp.ones(n), key_words=words,
+                           position=jnp.full((n,), 4), vocab_size=vocab_size)
+    assert chi_square_p(np.bincount(np.asarray(warm), minlength=v)[allowed], np.ones(len(allowed))) < P_CONTROL
+
+
 def test_one_step_of_rejection_sampling_emits_the_target_distribution():
     """Drafts drawn by the walk from q (a zero head: q = softmax(base)), verified against p: the
     first emitted token (accepted draft or residual resample) must follow p, and so must the

@@ -13,8 +13,14 @@
 //      best PackArgmaxKey(score, v) is kept in its own slot;
 //   3. the caller waits for every chunk (a counter and a condition variable; pool tasks never wait
 //      on anything), merges the chunk keys and sets prev = token (+ d2t[token]).
-// Sampled rows draw the Gumbel noise 8 columns at a time (Philox and log in AVX2 registers), only
-// for columns that could still win. Walks with little work per step stay on the calling thread.
+// Sampled rows draw the Gumbel noise 8 columns at a time (two Philox blocks and the logs in AVX2
+// registers), only for columns that could still win. Walks with little work per step stay on the
+// calling thread.
+//
+// Overflow: each e is scaled down by a power of two before its dots (Headroom) so that no partial
+// sum of a dot with a finite W2 row can overflow, and the dots are scaled back up: exact wherever
+// the result is finite, and a bias too large for fp32 is +-inf by its sign, never the NaN of partial
+// sums that overflowed in both directions (jax_markov/reference.py's markov_bias does the same).
 //
 // Determinism: a row's dot is always computed by the same code in the same order (8 fp32 lanes
 // over j, then a fixed pairwise tree), whatever the chunk, thread, tile or batch size, and the key
@@ -121,13 +127,43 @@ inline float ToF32<int8_t>(int8_t x) { return static_cast<float>(x); }
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The largest Gumbel noise GumbelNoise can return (u = 1 - 2^-24), plus a margin: a sampled
-// candidate whose fma(l, 1/T, kGumbelBound) is below the best score so far cannot win, and its
-// noise is not computed. Rounding is monotone, so skipping is exact.
+// The largest Gumbel noise GumbelNoise can return (u = 1 - 2^-24, from the word 0xFFFFFFFF, whichever
+// word of a block a column takes), plus a margin for Log8's error: a sampled candidate whose
+// fma(l, 1/T, kGumbelBound) is below the best score so far cannot win, and its noise is not
+// computed. Rounding is monotone, so skipping is exact.
 const float kGumbelBound = [] {
   const float u = (static_cast<float>(0x7FFFFFu) + 0.5f) * 1.1920928955078125e-07f;
   return -std::log(-std::log(u)) + 0.01f;
 }();
+
+// 2^k as a float for k in [-126, 127] (the exponent bits set directly).
+inline float PowerOfTwo(int k) { return BitsFloat(static_cast<uint32_t>(k + 127) << 23); }
+
+// Scales e[0, rank) down by 2^-s, s = s1 + s2 >= 0 with |e| 2^-s < 1 / (2 rank), so that a dot of e
+// with any finite fp32 row never overflows in a partial sum; up = (2^s1, 2^s2) scale its dots back
+// (two factors keep each a normal float). s = 0 where e is small, zero or holds an infinity or NaN
+// (IEEE arithmetic then decides). Exactly jax_markov/reference.py's headroom_shifts.
+void Headroom(float* e, int64_t rank, float* up) {
+  float m = 0.0f;  // max |e|, NaN if any is NaN
+  for (int64_t j = 0; j < rank; ++j) {
+    const float a = std::fabs(e[j]);
+    m = (m < a || a != a) ? a : m;
+  }
+  const int biased = static_cast<int>((FloatBits(m) >> 23) & 0xFFu);  // |e| < 2^(biased - 126)
+  int h = 0;  // 2^h >= 2 rank
+  while ((int64_t{1} << h) < 2 * rank) ++h;
+  const int shift = biased == 0xFF ? 0 : std::max(biased - 126 + h, 0);
+  const int s1 = shift / 2, s2 = shift - s1;
+  const float down1 = PowerOfTwo(-s1), down2 = PowerOfTwo(-s2);
+  for (int64_t j = 0; j < rank; ++j) e[j] = e[j] * down1 * down2;
+  up[0] = PowerOfTwo(s1);
+  up[1] = PowerOfTwo(s2);
+}
+
+// The dots d[0, n) of a Headroom-scaled e scaled back to those of e.
+inline void ScaleBack(float* d, int64_t n, const float* up) {
+  for (int64_t i = 0; i < n; ++i) d[i] = d[i] * up[0] * up[1];
+}
 
 // ---------------------------------------------------------------------------------------------
 // Aligned scratch memory.
@@ -183,7 +219,8 @@ struct Problem {
 
 struct Step {
   int64_t k;
-  const float* e;          // [B][rank8], zero padded, 64-byte aligned
+  const float* e;          // [B][rank8] scaled by Headroom, zero padded, 64-byte aligned
+  const float* up;         // [B][2] the powers of two that scale the dots of e back (Headroom)
   const float* inv_t;      // [B]
   const uint8_t* sampled;  // [B]
   int64_t chunk_rows, num_chunks;
@@ -231,16 +268,29 @@ inline float LoadAsF32(const void* p, ffi::DataType t, int64_t i) {
 }
 
 // Sampled rows (portable path): the lowest argmax of l * (1/T) + g(v) over l[0..n) (rows v0 + i),
-// skipping the noise of a column that cannot beat the best score so far.
+// where a -inf l scores -inf (never -inf * 0 = NaN at 1/T = 0), skipping the noise of a column that
+// cannot beat the best score so far. The words of the last Philox block drawn are kept: consecutive
+// columns that need noise share a block (SPEC.md: one block per four columns).
 inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t, uint32_t k0, uint32_t k1,
                               uint32_t position) {
+  const uint32_t k0s[1] = {k0}, k1s[1] = {k1}, positions[1] = {position};
+  uint32_t block[1] = {0}, words[1][4];
+  bool have_block = false;
   uint64_t best = 0;
   float best_score = kNegInf;
   for (int64_t i = 0; i < n; ++i) {
     const float x = l[i];
-    if (best != 0 && x * inv_t + kGumbelBound < best_score) continue;
+    if (best != 0 && (x == kNegInf || x * inv_t + kGumbelBound < best_score)) continue;
     const uint32_t v = static_cast<uint32_t>(v0 + i);
-    const float score = x * inv_t + GumbelNoise(k0, k1, v, position);
+    float score = kNegInf;
+    if (x != kNegInf) {
+      if (!have_block || block[0] != v / 4) {
+        block[0] = v / 4;
+        have_block = true;
+        Philox4x32<1, false>(block, positions, kDraftStream, k0s, k1s, words);
+      }
+      score = x * inv_t + GumbelOfWord(words[0][v % 4]);
+    }
     const uint64_t key = PackArgmaxKey(score, v);
     if (key > best) {
       best = key;
@@ -307,7 +357,8 @@ void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scrat
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = b * p.steps + s.k;
     const void* base = static_cast<const char*>(p.base) + (row * p.vocab + v0) * ElementBytes(p.base_t);
-    const float* d = dots + b * s.chunk_rows;
+    float* d = dots + b * s.chunk_rows;
+    ScaleBack(d, n, s.up + 2 * b);
     for (int64_t i = 0; i < n; ++i) {
       const float bias = p.int8 ? p.logit_scale * (p.w2_scale[v0 + i] * d[i]) : p.logit_scale * d[i];
       lbuf[i] = LoadAsF32(base, p.base_t, i) + bias;
@@ -540,34 +591,27 @@ MARKOV_AVX2_FN void LogitsFor(ffi::DataType out_t, bool want, const BaseT* base,
   }
 }
 
-// Philox4x32-10 word 0 for 8 counters (c0 = v .. v + 7) at once, as Philox4x32Word0.
-MARKOV_AVX2_INLINE __m256i MulHi32(__m256i a, __m256i m, __m256i* lo) {
-  const __m256i even = _mm256_mul_epu32(a, m);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
-  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-  return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-}
-
-MARKOV_AVX2_INLINE __m256i Philox8(__m256i c0, uint32_t position, uint32_t key0, uint32_t key1) {
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
-  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  __m256i c1 = _mm256_set1_epi32(static_cast<int>(position));
-  __m256i c2 = _mm256_set1_epi32(static_cast<int>(kDraftStream));
-  __m256i c3 = _mm256_setzero_si256();
-  uint32_t k0 = key0, k1 = key1;
+// Philox4x32-10 of the two blocks q and q + 1 at counter (q, position, kDraftStream, 0), one block per
+// 128-bit lane, each lane's four words in output order: the noise words of columns 4q .. 4q + 7 in
+// order (SPEC.md). A round is one 64-bit multiply per pair of words, c0 * M0 and c2 * M1 (each in its
+// 64-bit half: lo0, hi0, lo1, hi1), reversed into (hi1, lo1, hi0, lo0) and xored with (c1, 0, c3, 0)
+// and the key (k0, 0, k1, 0).
+MARKOV_AVX2_INLINE __m256i PhiloxTwoBlocks(uint32_t q, uint32_t position, uint32_t key0, uint32_t key1) {
+  const auto i32 = [](uint32_t x) { return static_cast<int>(x); };
+  const __m256i m = _mm256_setr_epi32(i32(0xD2511F53u), 0, i32(0xCD9E8D57u), 0, i32(0xD2511F53u), 0, i32(0xCD9E8D57u), 0);
+  const __m256i w = _mm256_setr_epi32(i32(0x9E3779B9u), 0, i32(0xBB67AE85u), 0, i32(0x9E3779B9u), 0, i32(0xBB67AE85u), 0);
+  const __m256i even = _mm256_setr_epi32(-1, 0, -1, 0, -1, 0, -1, 0);
+  __m256i c = _mm256_setr_epi32(i32(q), i32(position), i32(kDraftStream), 0, i32(q + 1), i32(position),
+                                i32(kDraftStream), 0);
+  __m256i k = _mm256_setr_epi32(i32(key0), 0, i32(key1), 0, i32(key0), 0, i32(key1), 0);
 #pragma GCC unroll 10
   for (int round = 0; round < 10; ++round) {
-    __m256i lo0, lo1;
-    const __m256i hi0 = MulHi32(c0, m0, &lo0);
-    const __m256i hi1 = MulHi32(c2, m1, &lo1);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-    c1 = lo1;
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    const __m256i product = _mm256_mul_epu32(c, m);
+    const __m256i odd_words = _mm256_and_si256(_mm256_shuffle_epi32(c, _MM_SHUFFLE(3, 3, 1, 1)), even);
+    c = _mm256_xor_si256(_mm256_shuffle_epi32(product, _MM_SHUFFLE(0, 1, 2, 3)), _mm256_xor_si256(odd_words, k));
+    k = _mm256_add_epi32(k, w);
   }
-  return c0;
+  return c;
 }
 
 // Natural log of 8 positive normal floats (Cephes logf: a degree-8 polynomial on [sqrt(1/2) - 1,
@@ -597,21 +641,21 @@ MARKOV_AVX2_INLINE __m256 Log8(__m256 x) {
   return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
 }
 
-// g(v) = -log(-log(u)) for v .. v + 7 (SPEC.md), from Philox8 and Log8.
+// g(v) = -log(-log(u)) for v .. v + 7 (SPEC.md; v a multiple of 4), from PhiloxTwoBlocks and Log8.
 MARKOV_AVX2_INLINE __m256 GumbelNoise8(uint32_t v, uint32_t position, uint32_t key0, uint32_t key1) {
-  const __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(v)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i x = Philox8(c0, position, key0, key1);
+  const __m256i x = PhiloxTwoBlocks(v / 4, position, key0, key1);
   const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0.5f)),
                                  _mm256_set1_ps(1.1920928955078125e-07f));
   const __m256 sign = _mm256_set1_ps(-0.0f);
   return _mm256_xor_ps(Log8(_mm256_xor_ps(Log8(u), sign)), sign);
 }
 
-// Sampled rows: the lowest argmax of fma(l, 1/T, g(v)) over l[0..n) (rows v0 + i), 8 columns at a
-// time; the noise of 8 columns is skipped when none of them can beat the best score so far.
+// Sampled rows: the lowest argmax of fma(l, 1/T, g(v)) over l[0..n) (rows v0 + i, v0 a multiple of 8),
+// where a -inf l scores -inf (never -inf * 0 = NaN at 1/T = 0), 8 columns at a time; the noise of 8
+// columns is skipped when none of them can beat the best score so far.
 MARKOV_AVX2_FN uint64_t SampledArgmax8(const float* __restrict l, int64_t n, int64_t v0, float inv_t, uint32_t key0,
                                        uint32_t key1, uint32_t position) {
-  const __m256 it = _mm256_set1_ps(inv_t), bound = _mm256_set1_ps(kGumbelBound);
+  const __m256 it = _mm256_set1_ps(inv_t), bound = _mm256_set1_ps(kGumbelBound), neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   uint64_t best = 0;
   float best_score = kNegInf;
@@ -620,13 +664,15 @@ MARKOV_AVX2_FN uint64_t SampledArgmax8(const float* __restrict l, int64_t n, int
     const int64_t valid = std::min<int64_t>(8, n - i);
     const __m256 in_range = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane));
     // lanes past n (inside the buffer, garbage) read -inf and are never candidates
-    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_load_ps(l + i), in_range);
+    const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_load_ps(l + i), in_range);
+    const __m256 masked = _mm256_cmp_ps(x, neg_inf, _CMP_EQ_OQ);
     const __m256 best_v = _mm256_set1_ps(best_score);
-    if (best != 0 && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_fmadd_ps(x, it, bound), best_v, _CMP_LT_OQ)) == 0xFF) {
+    const __m256 hopeless = _mm256_or_ps(_mm256_cmp_ps(_mm256_fmadd_ps(x, it, bound), best_v, _CMP_LT_OQ), masked);
+    if (best != 0 && _mm256_movemask_ps(hopeless) == 0xFF) {
       continue;  // every lane's best possible score is below the best so far
     }
     const __m256 g = GumbelNoise8(static_cast<uint32_t>(v0 + i), position, key0, key1);
-    const __m256 score = _mm256_fmadd_ps(x, it, g);
+    const __m256 score = _mm256_blendv_ps(_mm256_fmadd_ps(x, it, g), neg_inf, masked);
     const __m256 better = _mm256_or_ps(_mm256_cmp_ps(score, best_v, _CMP_GT_OQ), _mm256_cmp_ps(score, score, _CMP_UNORD_Q));
     if (best != 0 && _mm256_movemask_ps(_mm256_and_ps(better, in_range)) == 0) continue;
     _mm256_store_ps(scores, score);
@@ -698,7 +744,8 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
     const char* base = static_cast<const char*>(p.base) + (row * p.vocab + v0) * ElementBytes(p.base_t);
     void* out = p.want_logits ? static_cast<char*>(p.logits) + (row * p.vocab + v0) * ElementBytes(p.logits_t)
                               : nullptr;
-    const float* d = dots + b * cr;
+    float* d = dots + b * cr;
+    ScaleBack(d, n, s.up + 2 * b);
     switch (p.base_t) {
       case ffi::DataType::BF16:
         if (p.int8) LogitsFor<Bf16, true>(p.logits_t, p.want_logits, reinterpret_cast<const Bf16*>(base), d, scale, p.logit_scale, n, out, lbuf);
@@ -950,6 +997,7 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   float* e = e_buf.Get(B * p.rank8);
   if (e == nullptr) return ffi::Error::Internal("jax_markov_walk (cpu): out of memory");
   std::vector<uint64_t> keys(num_chunks * B);
+  std::vector<float> up(2 * B);
   const size_t w1_bytes = ElementBytes(p.w1_t);
 
   for (int64_t k = 0; k < K; ++k) {
@@ -959,9 +1007,10 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
       float* dst = e + b * p.rank8;
       for (int64_t j = 0; j < rank; ++j) dst[j] = LoadAsF32(src, p.w1_t, j);
       for (int64_t j = rank; j < p.rank8; ++j) dst[j] = 0.0f;
+      Headroom(dst, rank, up.data() + 2 * b);
       if (want_embeds) std::memcpy(static_cast<char*>(p.embeds) + ((b * K + k) * rank) * w1_bytes, src, rank * w1_bytes);
     }
-    Step step{k, e, inv_t.data(), sampled.data(), chunk_rows, num_chunks, keys.data()};
+    Step step{k, e, up.data(), inv_t.data(), sampled.data(), chunk_rows, num_chunks, keys.data()};
     auto work = std::make_shared<StepWork>();
     work->problem = &p;
     work->step = &step;

@@ -117,7 +117,9 @@ def load_state_dict(module: nnx.Module, tensors: Mapping[str, object], *, prefix
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a .safetensors file, a directory of them (shards) or a *.index.json."""
+    """All tensors of a .safetensors file, a directory of them (shards) or a *.index.json. A file that
+    cannot be read or is not a valid safetensors file is a CheckpointError naming it."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     path = os.fspath(path)
@@ -130,15 +132,22 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             raise CheckpointError(f"no .safetensors file in {path}")
         paths = [os.path.join(path, f) for f in files]
     elif path.endswith(".index.json"):
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:  # ValueError: not JSON; KeyError: no weight_map
+            raise CheckpointError(f"cannot read the safetensors index {path}: {e!r}") from e
         base = os.path.dirname(path)
         paths = [os.path.join(base, f) for f in sorted(set(weight_map.values()))]
     else:
         paths = [path]
     out = {}
     for p in paths:
-        for name, value in load_file(p).items():
+        try:
+            tensors = load_file(p)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read the safetensors file {p}: {e}") from e
+        for name, value in tensors.items():
             if name in out:
                 raise CheckpointError(f"tensor {name} appears in more than one shard ({p})")
             out[name] = value

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..arguments import _key_words
-from ..philox import gumbel_noise
+from ..arguments import request_keys, request_positions
+from ..philox import gumbel_noise_range
+from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
 from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_rows
@@ -376,11 +377,10 @@ def draft_without_head(base_logits, *, temperature=None, key=None, position=None
     score = logits
     if temperature is not None:
         t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
-        words = _key_words(key, b)
+        words = request_keys(key, b)
         sampled = t > 0
         inv_t = jnp.where(sampled, 1.0 / jnp.where(sampled, t, 1.0), 0.0)
-        pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))
-        noise = gumbel_noise((words[:, 0:1, None], words[:, 1:2, None]), jnp.arange(v)[None, None, :],
-                             (pos[:, None] + jnp.arange(k))[:, :, None])
-        score = jnp.where(sampled[:, None, None], logits * inv_t[:, None, None] + noise, logits)
-    return jnp.argmax(score, axis=-1).astype(jnp.int32), logits.astype(logits_dtype)
+        pos = request_positions(position, b)
+        noise = gumbel_noise_range((words[:, 0, None], words[:, 1, None]), 0, v, pos[:, None] + jnp.arange(k))
+        score = jnp.where(sampled[:, None, None], gumbel_max_score(logits, inv_t[:, None, None], noise), logits)
+    return spec_argmax(score), logits.astype(logits_dtype)

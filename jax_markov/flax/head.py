@@ -82,14 +82,15 @@ class MarkovHead(nnx.Module):
         self.refresh_quantization()
 
     def refresh_quantization(self):
-        """(Re)build the int8 layout from the current markov_w2 (a no-op without quantization)."""
+        """(Re)build the int8 layout from the current markov_w2 (a no-op without quantization). Where
+        markov_w2 holds NaN or infinite values, `quantize` raises and the head is left without an int8
+        layout (never a stale one): `head()` refuses until markov_w2 is fixed and this is called again."""
+        self.markov_w2_int8 = None
+        self.markov_w2_scale = None
         if self._quantization == "int8":
             quantized = _head.quantize(_head.MarkovHead(self.markov_w1[...], self.markov_w2[...]))
             self.markov_w2_int8 = QuantizedWeight(quantized.q)
             self.markov_w2_scale = QuantizedWeight(quantized.scale)
-        else:
-            self.markov_w2_int8 = None
-            self.markov_w2_scale = None
 
     def after_load(self):
         """Called by the checkpoint loader once new weights are in."""
@@ -126,6 +127,9 @@ class MarkovHead(nnx.Module):
     def head(self) -> _head.MarkovHead | _head.QuantizedMarkovHead:
         """The head `jax_markov.walk` takes: float, or int8 when markov_quantization == "int8"."""
         if self._quantization == "int8":
+            if self.markov_w2_int8 is None:
+                raise ValueError("markov_quantization is 'int8' but the head has no int8 layout: quantizing markov_w2 "
+                                 "failed (see the error it raised); fix markov_w2 and call refresh_quantization()")
             return _head.QuantizedMarkovHead(self.markov_w1[...], self.markov_w2_int8[...], self.markov_w2_scale[...])
         return _head.MarkovHead(self.markov_w1[...], self.markov_w2[...])
 
