@@ -59,7 +59,8 @@ def test_lowering_for_cuda_on_cpu_machine():
 @needs_plan
 def test_cuda_refuses_launches_past_32_bit_base_offsets():
     """One launch's base logits are addressed in 32 bits: a float head of a vocabulary that large
-    falls back (the int8 head's L2 limit comes first)."""
+    falls back (the int8 head's L2 limit comes first), as does one whose CTA's shared memory would
+    not hold its fixed part."""
     vocab = 2**32 // (64 * 16)
     assert native.cuda_unsupported_reason(64, 16, vocab - 1, _rank(), jnp.bfloat16, jnp.bfloat16) is None
     reason = native.cuda_unsupported_reason(64, 16, vocab, _rank(), jnp.bfloat16, jnp.bfloat16)
@@ -67,7 +68,9 @@ def test_cuda_refuses_launches_past_32_bit_base_offsets():
     # 8 requests of that vocabulary are well inside it; fp32 W1 takes two columns a request
     assert native.cuda_unsupported_reason(8, 16, vocab, _rank(), jnp.bfloat16, jnp.bfloat16) is None
     assert "2^32" in native.cuda_unsupported_reason(64, 16, 2 * vocab, _rank(), jnp.float32, jnp.float16)
-    assert native.cuda_unsupported_reason(64, 16, 2 * vocab - 1, _rank(), jnp.float32, jnp.float16) is None
+    # Below 2^32 there, a CTA's W2 scales alone (8.4M rows over 132 SMs) outgrow its shared memory.
+    reason = native.cuda_unsupported_reason(64, 16, 2 * vocab - 1, _rank(), jnp.float32, jnp.float16)
+    assert reason is not None and "shared memory" in reason
 
 
 @needs_cuda_module
@@ -123,10 +126,11 @@ def test_which_launches_take_the_transposed_kernel():
     assert native.cuda_transposed_launches(24, 151936, f16) == [True]
     assert native.cuda_transposed_launches(24, 151936, f16, logits_out=True) == [False]
     assert native.cuda_transposed_launches(64, 151936, f32, logits_out=True) == [False, False]
-    # A GPU whose shared memory cannot hold the kernel's fixed part (2 SMs: 1187 tiles a CTA; an L2
-    # large enough that the int8 W2 it streams would stay there).
-    two_sms = dict(native.ASSUMED_GPU, sm_count=2, l2_bytes=2**30)
-    assert native.cuda_transposed_launches(24, 151936, bf16, props=two_sms) == [False]
+    # A GPU whose shared memory cannot hold the transposed kernel's fixed part but MarkovWalkKernel's
+    # (4 SMs: 594 tiles of 64 rows a CTA; an L2 large enough that the int8 W2 it streams stays there).
+    four_sms = dict(native.ASSUMED_GPU, sm_count=4, l2_bytes=2**30)
+    assert native.cuda_transposed_launches(24, 151936, bf16, props=four_sms) == [False]
+    assert native.cuda_transposed_launches(24, 151936, bf16, props=dict(four_sms, sm_count=8)) == [True]
     with pytest.raises(ValueError, match="must be float32, bfloat16 or float16, got float64"):
         native.cuda_transposed_launches(24, 151936, jnp.float64)
 
