@@ -124,11 +124,13 @@ def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dt
                                       _gpu_properties())
 
 
-def cuda_auto_declines(batch: int, w2_dtype) -> str | None:
-    """Why impl="auto" walks on the reference although the kernel could run, or None. The int8
-    kernel was faster than the jitted int8 reference at every measured row; the unquantized one
-    only up to CUDA_FLOAT_W2_AUTO_MAX_BATCH requests."""
+def cuda_auto_declines(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:
+    """Why impl="auto" walks on the reference although the kernel could run, or None: an int8 W2 that
+    would neither fit in shared memory nor stay in L2 (the plan's SlowerThanReference); an unquantized
+    W2 above CUDA_FLOAT_W2_AUTO_MAX_BATCH requests. The int8 kernel was faster than the jitted int8
+    reference at every measured row."""
     if np.dtype(w2_dtype) != np.int8 and batch > CUDA_FLOAT_W2_AUTO_MAX_BATCH:
         return (f"B = {batch} > {CUDA_FLOAT_W2_AUTO_MAX_BATCH} with an unquantized W2: the reference's GEMMs are "
                 "faster there (quantize the head to keep the kernel)")
-    return None
+    return _plan_module().slower_than_reference(batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), "bfloat16",
+                                                None, False, _gpu_properties())

@@ -152,7 +152,8 @@ def _cuda_rule(ctx, *args, params):
     reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype, base_dtype=base.dtype,
                                             logits_dtype=params.logits_dtype if params.return_logits else None,
                                             sampling=params.sampling)
-    if reason is None and (params.impl == "ffi" or native.cuda_auto_declines(batch, w2.dtype) is None):
+    if reason is None and (params.impl == "ffi" or
+                           native.cuda_auto_declines(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype) is None):
         return _ffi_rule(ctx, *args, params=params)
     if params.impl == "ffi":
         raise ValueError(f"impl='ffi' on cuda: {reason}")

@@ -126,8 +126,20 @@ def test_envelope_refusals_name_the_limit():
     assert "sm_80" in unsupported(1, 7, 5000, rank, "int8", "bfloat16", "bfloat16", None, False, dict(H100, major=8))
     assert "cooperative" in unsupported(1, 7, 5000, rank, "int8", "bfloat16", "bfloat16", None, False,
                                         dict(H100, cooperative=False))
-    assert "L2" in unsupported(1, 7, 400000, rank, "int8", "bfloat16", "bfloat16", None, False, H100)
-    with pytest.raises(ValueError, match="L2"):
-        _plans(1, 7, 400000, "int8", "bfloat16", "bfloat16", None, False, H100)
     with pytest.raises(ValueError, match="got float64"):
         _plans(1, 7, 5000, "int8", "float64", "bfloat16", None, False, H100)
+
+
+def test_int8_w2_past_l2_is_walked_but_auto_declines():
+    """int8 W2 that neither fits in shared memory nor stays in L2 (V = 270336 streams 37.8 MiB a step on
+    132 SMs: past 0.75 of an H100's 50 MiB L2, within an H200's 60 MiB) is walked when asked for
+    (impl="ffi"), but impl="auto" takes the reference."""
+    rank = native.cuda_envelope()["rank"]
+    args = (1, 7, 270336, rank, "int8", "bfloat16", "bfloat16", None, False)
+    assert native._markov_plan.unsupported(*args, H100) is None
+    assert "L2" in native._markov_plan.slower_than_reference(*args, H100)
+    assert native._markov_plan.slower_than_reference(*args, H200) is None
+    assert native._markov_plan.slower_than_reference(1, 7, 151936, rank, "int8", "bfloat16", "bfloat16", None, False,
+                                                     H100) is None
+    assert native._markov_plan.slower_than_reference(1, 7, 400000, rank, "bfloat16", "bfloat16", "bfloat16", None,
+                                                     False, H100) is None, "a float W2 is never declined for L2"

@@ -97,6 +97,17 @@ NB_MODULE(_markov_plan, m) {
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
       "Why the CUDA kernel cannot walk this call on a GPU with these properties, or None.");
   m.def(
+      "slower_than_reference",
+      [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props) {
+        const std::string why =
+            jax_markov::walk::SlowerThanReference(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling), Properties(props));
+        return why.empty() ? std::optional<std::string>() : std::optional<std::string>(why);
+      },
+      nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
+      nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
+      "Why impl='auto' takes the reference although the kernel can walk this call (int8 W2 past L2), or None.");
+  m.def(
       "plan",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
          const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props) {

@@ -237,22 +237,26 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
     return "the CUDA kernel addresses one launch's base logits in 32 bits: " + std::to_string(per_launch) + " requests x K = " +
            std::to_string(call.steps) + " x V = " + std::to_string(call.vocab) + " is not below 2^32";
   }
-  if (call.w2 == kW2Int8) {
-    // int8 W2 that the chip does not hold must stay in L2 from step to step. (A float W2 streams from
-    // L2 and HBM each step, still well ahead of the reference, which reads all of it each step.)
-    const int64_t columns = std::min<int64_t>(kMaxBatch, call.batch * ColumnsPerRequest(call.w2, call.w1_dtype));
-    int frag_tiles = 1;  // B fragments: 4 KB per 8 columns, in powers of two
-    while (frag_tiles * 8 < columns) frag_tiles *= 2;
-    const int64_t shared_bytes = int64_t(props.sm_count) * (props.smem_per_block - 4096 * (frag_tiles + 1));
-    const int64_t streamed = call.vocab * kRank - shared_bytes;
-    if (streamed > 0.75 * props.l2_bytes) {
-      return "V = " + std::to_string(call.vocab) + " is too large for this GPU: " + std::to_string(streamed >> 20) +
-             " MiB of int8 W2 would not fit in shared memory and would not stay in its " + std::to_string(props.l2_bytes >> 20) +
-             " MiB L2";
-    }
-  }
   for (const LaunchPlan& p : PlanCall(call, props)) {
     if (p.resident_tiles < 0) return "the CUDA kernel's shared memory for this walk does not fit the GPU's " + std::to_string(props.smem_per_block) + " bytes a block";
+  }
+  return "";
+}
+
+std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& props) {
+  if (call.w2 != kW2Int8) return "";
+  // int8 W2 that the chip does not hold streams from L2 every step, and is fast only while it stays
+  // there. (A float W2 streams from L2 and HBM each step, still well ahead of the reference, which
+  // reads all of it each step.)
+  const int64_t columns = std::min<int64_t>(kMaxBatch, call.batch * ColumnsPerRequest(call.w2, call.w1_dtype));
+  int frag_tiles = 1;  // B fragments: 4 KB per 8 columns, in powers of two
+  while (frag_tiles * 8 < columns) frag_tiles *= 2;
+  const int64_t shared_bytes = int64_t(props.sm_count) * (props.smem_per_block - 4096 * (frag_tiles + 1));
+  const int64_t streamed = call.vocab * kRank - shared_bytes;
+  if (streamed > 0.75 * props.l2_bytes) {
+    return "V = " + std::to_string(call.vocab) + ": " + std::to_string(streamed >> 20) +
+           " MiB of int8 W2 would not fit in shared memory and would not stay in this GPU's " +
+           std::to_string(props.l2_bytes >> 20) + " MiB L2";
   }
   return "";
 }

@@ -67,6 +67,10 @@ int LaunchRequests(int w2, int w1_dtype);
 // Why the kernel cannot walk `call` on this GPU, naming the limit, or "" if it can.
 std::string Unsupported(const WalkCall& call, const DeviceProperties& props);
 
+// Why the kernel, although it can walk `call`, would likely be slower than the reference there, or "":
+// int8 W2 that would neither fit in shared memory nor stay in L2. impl="auto" then takes the reference.
+std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& props);
+
 // The launches of a call that Unsupported accepts, in order.
 std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props);
 
