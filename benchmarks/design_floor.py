@@ -101,7 +101,7 @@ def design_floor_us(constants: dict, V: int, K: int, B: int, base_bytes: int, ou
 
 def report(constants: dict, rows=ROWS) -> str:
     """The constants and the floors of `rows` (V, K, B) as markdown: bf16 base logits, greedy rows
-    return tokens, probabilistic rows also bf16 draft logits (as in gpu_timing.py)."""
+    return tokens, probabilistic rows also bf16 draft logits (as in gpu_measure.py)."""
     c = constants
     lines = [f"- HBM copy: {c['hbm_copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)",
              f"- shared-memory read: {c['smem_read_bytes_per_s'] / 1e12:.1f} TB/s ({c['sm_count']} SMs, "

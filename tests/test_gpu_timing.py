@@ -1,5 +1,6 @@
-"""benchmarks/gpu_timing.py on the CPU: device-time arithmetic from profiler events, the decode loop's
-programs and subtraction, memory per call, the derived columns and summaries, the table, --merge."""
+"""benchmarks/gpu_timing.py, gpu_measure.py and gpu_report.py on the CPU: device-time arithmetic from
+profiler events, the decode loop's programs and subtraction, memory per call, the derived columns and
+summaries, the table, --merge."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,61 +12,61 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gpu_timing
+from benchmarks import gpu_measure, gpu_report, gpu_timing
 
-KERNEL, EAGER, BF16 = gpu_timing.KERNEL_INT8, gpu_timing.EAGER, gpu_timing.ARMS["kernel-bf16"]
+KERNEL, EAGER, BF16 = gpu_report.KERNEL_INT8, gpu_report.EAGER, gpu_report.ARMS["kernel-bf16"]
 
 
 def test_busy_and_span_count_overlaps_once():
     # [0, 10) and [5, 12) overlap: 12 busy; [100, 103) adds 3; the span runs from 0 to 103
-    assert gpu_timing.busy_and_span([(0.0, 10.0), (5.0, 12.0), (100.0, 103.0)]) == (15.0, 103.0)
-    assert gpu_timing.busy_and_span([(0.0, 10.0), (2.0, 3.0)]) == (10.0, 10.0)  # a contained interval adds nothing
+    assert gpu_measure.busy_and_span([(0.0, 10.0), (5.0, 12.0), (100.0, 103.0)]) == (15.0, 103.0)
+    assert gpu_measure.busy_and_span([(0.0, 10.0), (2.0, 3.0)]) == (10.0, 10.0)  # a contained interval adds nothing
 
 
 def test_run_times_split_a_programs_runs_at_their_gaps():
-    gap = gpu_timing.RUN_GAP_S * 1e9
+    gap = gpu_measure.RUN_GAP_S * 1e9
     runs = [[(0.0, 10.0), (12.0, 20.0)], [(gap + 20.0, gap + 25.0)], [(3 * gap, 3 * gap + 7.0), (3 * gap + 1.0, 3 * gap + 2.0)]]
     events = [e for run in runs for e in run]
-    assert gpu_timing.run_times(events, 3) == [(18.0, 20.0), (5.0, 5.0), (7.0, 7.0)]
-    assert gpu_timing.run_times(events, 2) is None  # runs that the trace does not show are no result
+    assert gpu_measure.run_times(events, 3) == [(18.0, 20.0), (5.0, 5.0), (7.0, 7.0)]
+    assert gpu_measure.run_times(events, 2) is None  # runs that the trace does not show are no result
 
 
 def test_split_at_gaps_separates_the_arms():
     events = [(0.0, 5.0), (8.0, 9.0), (1000.0, 1002.0), (1003.0, 1004.0), (5000.0, 5001.0)]
-    groups = gpu_timing.split_at_gaps(events, gap_ns=500.0)
+    groups = gpu_measure.split_at_gaps(events, gap_ns=500.0)
     assert groups == [[(0.0, 5.0), (8.0, 9.0)], [(1000.0, 1002.0), (1003.0, 1004.0)], [(5000.0, 5001.0)]]
-    assert gpu_timing.split_at_gaps([], 1.0) == []
+    assert gpu_measure.split_at_gaps([], 1.0) == []
 
 
 def test_loop_walk_us_subtracts_the_loop_without_the_walk_per_iteration():
     # (busy ns, span ns) per run; medians: with the walk 900 / 1600, without 100 / 400, over 4 iterations
     with_walk = [(900.0, 1600.0), (800.0, 1500.0), (1000.0, 9000.0)]
     without = [(100.0, 400.0), (100.0, 300.0), (100.0, 500.0)]
-    got = gpu_timing.loop_walk_us(with_walk, without, iterations=4)
+    got = gpu_measure.loop_walk_us(with_walk, without, iterations=4)
     assert got == pytest.approx(dict(us=(1600 - 400) / 4 / 1e3, busy_us=(900 - 100) / 4 / 1e3))
 
 
 def test_floor_bytes_follow_the_head_format():
-    int8 = gpu_timing.floor_bytes(1000, 2, 1, "greedy", 1)
-    bf16 = gpu_timing.floor_bytes(1000, 2, 1, "greedy", 2)
+    int8 = gpu_report.floor_bytes(1000, 2, 1, "greedy", 1)
+    bf16 = gpu_report.floor_bytes(1000, 2, 1, "greedy", 2)
     assert bf16 - int8 == 1000 * 256 - 4 * 1000  # twice the W2 bytes, no scales
-    assert gpu_timing.floor_bytes(1000, 2, 1, "probabilistic", 1) - int8 == 2 * 1000 * 2  # bf16 logits out
-    assert gpu_timing.floor_bytes(1000, 2, 1, "greedy-t0", 1) == int8
-    assert gpu_timing.w2_element_bytes(KERNEL) == 1
-    assert gpu_timing.w2_element_bytes(BF16) == 2
-    assert gpu_timing.w2_element_bytes(EAGER) == 2
+    assert gpu_report.floor_bytes(1000, 2, 1, "probabilistic", 1) - int8 == 2 * 1000 * 2  # bf16 logits out
+    assert gpu_report.floor_bytes(1000, 2, 1, "greedy-t0", 1) == int8
+    assert gpu_report.w2_element_bytes(KERNEL) == 1
+    assert gpu_report.w2_element_bytes(BF16) == 2
+    assert gpu_report.w2_element_bytes(EAGER) == 2
 
 
 def test_every_published_row_is_timed_in_both_modes():
-    published_rows = {key[:3] for key in gpu_timing.PUBLISHED_H100_US}
-    assert len(published_rows) == 7 and published_rows <= set(gpu_timing.ROWS)
-    assert {mode for *_, mode in gpu_timing.PUBLISHED_H100_US} == {"greedy", "probabilistic"}
-    assert len(gpu_timing.PUBLISHED_H100_US) == 14
+    published_rows = {key[:3] for key in gpu_report.PUBLISHED_H100_US}
+    assert len(published_rows) == 7 and published_rows <= set(gpu_report.ROWS)
+    assert {mode for *_, mode in gpu_report.PUBLISHED_H100_US} == {"greedy", "probabilistic"}
+    assert len(gpu_report.PUBLISHED_H100_US) == 14
 
 
 def test_mode_inputs_pass_zero_temperatures_with_keys_and_positions():
-    assert gpu_timing.mode_inputs("greedy", 3) == {}
-    zero, sampled = gpu_timing.mode_inputs("greedy-t0", 3), gpu_timing.mode_inputs("probabilistic", 3)
+    assert gpu_measure.mode_inputs("greedy", 3) == {}
+    zero, sampled = gpu_measure.mode_inputs("greedy-t0", 3), gpu_measure.mode_inputs("probabilistic", 3)
     assert set(zero) == set(sampled) == {"temperature", "key", "position"}
     assert np.all(np.asarray(zero["temperature"]) == 0) and np.all(np.asarray(sampled["temperature"]) == 0.8)
     assert np.array_equal(np.asarray(zero["position"]), np.asarray(sampled["position"]))
@@ -73,43 +74,43 @@ def test_mode_inputs_pass_zero_temperatures_with_keys_and_positions():
 
 @pytest.fixture(scope="module")
 def small_problem():
-    sets, anchor = gpu_timing.make_sets(1024, 3, 2, n_sets=1)
+    sets, anchor = gpu_measure.make_sets(1024, 3, 2, n_sets=1)
     heads, base = sets[0]
     return heads, base, anchor
 
 
-@pytest.mark.parametrize("mode", gpu_timing.MODES)
+@pytest.mark.parametrize("mode", gpu_report.MODES)
 def test_decode_loop_walks_each_round_from_the_last_token(small_problem, mode):
     heads, base, anchor = small_problem
-    inputs = gpu_timing.mode_inputs(mode, 2)
+    inputs = gpu_measure.mode_inputs(mode, 2)
     flush = jax.random.uniform(jax.random.key(1), (4096,), jnp.float32)
     logits = jnp.zeros(base.shape, jnp.bfloat16) if mode == "probabilistic" else None
-    loop = gpu_timing.decode_loop_program("eager", mode, 3)
+    loop = gpu_measure.decode_loop_program("eager", mode, 3)
     got_anchor, _, got_logits = loop(flush, heads[0], base, anchor, inputs, logits)
     # The same three rounds one walk at a time: each from the last token, positions advanced by K.
     want = anchor
     for i in range(3):
         rounds = dict(inputs, position=inputs["position"] + 3 * i) if inputs else {}
-        res = gpu_timing.walk_arm("eager", mode, heads[0], base, want, rounds)
+        res = gpu_measure.walk_arm("eager", mode, heads[0], base, want, rounds)
         want = res.tokens[:, -1]
     np.testing.assert_array_equal(got_anchor, want)
     if mode == "probabilistic":
         np.testing.assert_array_equal(np.asarray(got_logits, np.float32), np.asarray(res.logits, np.float32))
     else:
         assert got_logits is None
-    without = gpu_timing.decode_loop_program(None, mode, 3)(flush, heads[0], base, anchor, inputs, logits)
+    without = gpu_measure.decode_loop_program(None, mode, 3)(flush, heads[0], base, anchor, inputs, logits)
     np.testing.assert_array_equal(without[0], anchor)  # the loop without the walk keeps the anchor
 
 
 def test_memory_per_call_counts_the_arms_head_and_xla_scratch(small_problem):
     heads, base, anchor = small_problem
-    int8 = gpu_timing.memory_per_call("reference-int8", "greedy", heads[1], base, anchor, {})
-    bf16 = gpu_timing.memory_per_call("eager", "greedy", heads[0], base, anchor, {})
+    int8 = gpu_measure.memory_per_call("reference-int8", "greedy", heads[1], base, anchor, {})
+    bf16 = gpu_measure.memory_per_call("eager", "greedy", heads[0], base, anchor, {})
     assert int8["persistent_bytes"] == 1024 * 256 * 2 + 1024 * 256 + 1024 * 4  # W1 bf16, W2 int8, scales
     assert bf16["persistent_bytes"] == 2 * 1024 * 256 * 2
     # The reference widens the int8 W2 to float32 for its product: at least that much scratch.
     assert int8["scratch_bytes"] >= 1024 * 256 * 4 > 0
-    assert gpu_timing.arm_head("kernel-int8", heads) is heads[1] and gpu_timing.arm_head("kernel-bf16", heads) is heads[0]
+    assert gpu_measure.arm_head("kernel-int8", heads) is heads[1] and gpu_measure.arm_head("kernel-bf16", heads) is heads[0]
 
 
 def measured(vocab, steps, batch, mode, arm, us, loop=None, **extra):
@@ -134,7 +135,7 @@ SYNTHETIC = [
 
 
 def test_derived_columns_against_eager_and_the_published_figures():
-    rows = {gpu_timing.row_key(r): r for r in gpu_timing.complete_rows(SYNTHETIC, 4e12, None)}
+    rows = {gpu_report.row_key(r): r for r in gpu_report.complete_rows(SYNTHETIC, 4e12, None)}
     kernel = rows[(151936, 7, 1, "greedy", KERNEL)]
     assert kernel["speedup"] == pytest.approx(5.0) and rows[(151936, 7, 1, "greedy", EAGER)]["speedup"] == 1.0
     assert kernel["published_h100_us"] == 60.5
@@ -142,7 +143,7 @@ def test_derived_columns_against_eager_and_the_published_figures():
     assert rows[(151936, 7, 1, "greedy", EAGER)]["published_h100_us"] is None  # the kernel's figure only
     assert rows[(151936, 7, 1, "greedy-t0", KERNEL)]["speedup"] is None  # no eager arm in that mode
     assert rows[(151936, 7, 1, "greedy-t0", KERNEL)]["published_h100_us"] is None
-    floor = gpu_timing.floor_bytes(151936, 7, 1, "greedy", 1) / 4e12 * 1e6
+    floor = gpu_report.floor_bytes(151936, 7, 1, "greedy", 1) / 4e12 * 1e6
     assert kernel["floor_us"] == pytest.approx(floor) and kernel["floor_fraction"] == pytest.approx(floor / 50.0)
     assert np.isnan(kernel["design_floor_us"])  # no probe constants
     # sorted by ROWS, then MODES, then ARMS
@@ -152,16 +153,16 @@ def test_derived_columns_against_eager_and_the_published_figures():
 
 
 def test_published_summary_counts_device_and_decode_loop_cells():
-    summary = gpu_timing.published_summary(SYNTHETIC)
+    summary = gpu_report.published_summary(SYNTHETIC)
     assert summary["greedy"] == dict(cells=2, faster=1, loop_cells=1, loop_faster=0)
     assert summary["probabilistic"] == dict(cells=3, faster=2, loop_cells=2, loop_faster=2)
     assert "greedy-t0" not in summary
 
 
 def test_sampled_and_zero_temperature_ratios_against_the_target():
-    assert gpu_timing.sampled_target(1) == gpu_timing.sampled_target(16) == 1.3
-    assert gpu_timing.sampled_target(17) == gpu_timing.sampled_target(256) == 1.5
-    ratios = {(q["vocab"], q["steps"], q["batch"]): q for q in gpu_timing.mode_ratios(SYNTHETIC)}
+    assert gpu_report.sampled_target(1) == gpu_report.sampled_target(16) == 1.3
+    assert gpu_report.sampled_target(17) == gpu_report.sampled_target(256) == 1.5
+    ratios = {(q["vocab"], q["steps"], q["batch"]): q for q in gpu_report.mode_ratios(SYNTHETIC)}
     assert set(ratios) == {(151936, 7, 1), (151936, 7, 16), (151936, 7, 128)}  # rows with a greedy kernel time
     assert ratios[(151936, 7, 1)]["sampled_ratio"] == pytest.approx(1.2)
     assert ratios[(151936, 7, 1)]["zero_temperature_ratio"] == pytest.approx(1.1)
@@ -177,13 +178,13 @@ def run_info(command):
 
 def table_of(rows, command="python3 benchmarks/gpu_timing.py --rows 151936,7,1", **info):
     info = dict(dict(gpu="NVIDIA H200", jax_version="0.11.2", commit="abc1234"), **info)
-    return gpu_timing.make_table([run_info(command)], rows, **info)
+    return gpu_report.make_table([run_info(command)], rows, **info)
 
 
 def test_table_files_hold_every_row_and_the_summaries(tmp_path):
     rows = [dict(r, decode_loop_no_cmd_buffer_us=r["decode_loop_us"] + 10.0) if r["decode_loop_us"] else r
             for r in SYNTHETIC]
-    text = gpu_timing.write_table(table_of(rows), tmp_path / "h200")
+    text = gpu_report.write_table(table_of(rows), tmp_path / "h200")
     assert (tmp_path / "h200.md").read_text() == text
     saved = json.loads((tmp_path / "h200.json").read_text())
     assert saved["commit"] == "abc1234" and saved["runs"][0]["command"].endswith("--rows 151936,7,1")
@@ -214,7 +215,7 @@ def test_merge_joins_runs_over_different_rows(tmp_path):
     merged = json.loads((tmp_path / "h200.json").read_text())
     assert [run["command"] for run in merged["runs"]] == [first["runs"][0]["command"], second["runs"][0]["command"]]
     assert "--merge" in merged["merge_command"]
-    rows = {gpu_timing.row_key(r): r for r in merged["rows"]}
+    rows = {gpu_report.row_key(r): r for r in merged["rows"]}
     assert len(rows) == len(SYNTHETIC)
     assert rows[(151936, 7, 1, "greedy-t0", KERNEL)]["us"] == 52.0  # the later run's
     assert rows[(151936, 7, 1, "greedy", KERNEL)]["speedup"] == pytest.approx(5.0)
@@ -225,7 +226,7 @@ def test_merge_joins_runs_over_different_rows(tmp_path):
 @pytest.mark.parametrize("field,value", [("gpu", "NVIDIA H100 80GB HBM3"), ("commit", "def5678"), ("jax_version", "0.11.3")])
 def test_merge_refuses_tables_of_different_runs(field, value):
     with pytest.raises(ValueError, match="differ in"):
-        gpu_timing.merge_tables([table_of(SYNTHETIC[:2]), table_of(SYNTHETIC[2:], **{field: value})], "merge")
+        gpu_report.merge_tables([table_of(SYNTHETIC[:2]), table_of(SYNTHETIC[2:], **{field: value})], "merge")
 
 
 def test_the_child_processes_decode_loops_go_into_their_rows():
@@ -262,15 +263,15 @@ def test_results_are_named_after_the_gpu(kind, name):
 def test_a_run_without_device_activity_still_writes_its_table(tmp_path, monkeypatch):
     """run_gpu's wiring on the CPU: no GPU events, so wall times and no decode-loop column, with warnings."""
     monkeypatch.setattr(gpu_timing, "measure_copy_bandwidth", lambda: 1e11)
-    monkeypatch.setattr(gpu_timing, "flush_buffer", lambda l2_bytes: jnp.zeros((4096,), jnp.float32))
+    monkeypatch.setattr(gpu_measure, "flush_buffer", lambda l2_bytes: jnp.zeros((4096,), jnp.float32))
     with pytest.warns(RuntimeWarning):
         bandwidth, constants, rows = gpu_timing.run_gpu([(1024, 3, 2)], ["greedy", "greedy-t0"], None, repeats=2,
                                                          iterations=2, log=lambda s: None)
     assert constants is None and bandwidth == 1e11
-    assert [(r["mode"], r["arm"]) for r in rows] == [("greedy", a) for a in gpu_timing.ARMS.values()] + [
+    assert [(r["mode"], r["arm"]) for r in rows] == [("greedy", a) for a in gpu_report.ARMS.values()] + [
         ("greedy-t0", KERNEL)]
     assert all(r["us"] > 0 and r["decode_loop_us"] is None and r["scratch_bytes"] >= 0 for r in rows)
-    text = gpu_timing.write_table(table_of(rows, jax_version=jax.__version__), tmp_path / "t")
+    text = gpu_report.write_table(table_of(rows, jax_version=jax.__version__), tmp_path / "t")
     assert text.count("| 1024 | 3 | 2 |") == 5 + 1  # five arm rows, one ratio row
 
 

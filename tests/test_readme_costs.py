@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import gpu_timing, readme_costs
+from benchmarks import gpu_report, readme_costs
 
-KERNEL, BF16, EAGER = gpu_timing.KERNEL_INT8, gpu_timing.ARMS["kernel-bf16"], gpu_timing.EAGER
+KERNEL, BF16, EAGER = gpu_report.KERNEL_INT8, gpu_report.ARMS["kernel-bf16"], gpu_report.EAGER
 
 
 def test_readme_section_matches_the_results():
@@ -30,7 +30,7 @@ def row(batch, mode, arm, us, **extra):
 
 
 # Published: greedy 60.5 (B = 1), 68.0 (B = 16); probabilistic 80.9 (B = 1).
-TABLE = dict(gpu="NVIDIA H100 80GB HBM3", jax="0.11.2", commit="abc1234", rows=gpu_timing.complete_rows([
+TABLE = dict(gpu="NVIDIA H100 80GB HBM3", jax="0.11.2", commit="abc1234", rows=gpu_report.complete_rows([
     row(1, "greedy", EAGER, 250.0),
     row(1, "greedy", KERNEL, 50.0, decode_loop_us=70.0, decode_loop_no_cmd_buffer_us=80.0,
         persistent_bytes=117_000_000, scratch_bytes=0),

@@ -1,4 +1,5 @@
-"""jax_markov.reference.walk against an independent, loop-based NumPy reading of SPEC.md.
+"""jax_markov.reference.walk (and jax_markov.philox) against an independent, loop-based NumPy reading of
+SPEC.md.
 
 The oracle below shares no code with the package: its own Philox4x32-10 in Python ints, its own
 Gumbel noise, a loop over requests, steps and vocabulary in float32 NumPy arithmetic, int8 heads
@@ -11,12 +12,13 @@ request per case. TOL = 1e-4 and RTOL = 1e-5 for float32 logits; when the logits
 bfloat16 / float16 before choosing, RTOL = 2^-6 / 2^-9 (one ulp of the rounded logit times 1/T <= 2).
 Logits: float32 rtol 1e-5 atol 1e-4; bfloat16 rtol 2^-7 atol 1e-3; float16 rtol 2^-10 atol 1e-3
 (one ulp of the stored dtype). Embeddings: exactly equal.
+
+The sampling law, quantize and the compiled walk's memory have files of their own (test_sampling.py,
+test_quantize.py, test_reference_memory.py).
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import re
 import warnings
 
 import jax
@@ -24,7 +26,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from scipy import stats
 
 import jax_markov
 from jax_markov import philox, reference
@@ -175,7 +176,7 @@ def walk_both(base_logits, anchor, head, check, *, return_logits=True, return_em
 
 
 # ---------------------------------------------------------------------------------------------
-# Philox, Gumbel, quantize
+# Philox and Gumbel
 # ---------------------------------------------------------------------------------------------
 
 KAT = [  # Random123 kat_vectors, philox4x32 10 rounds: counter, key, result
@@ -252,57 +253,6 @@ def test_draft_noise_range_broadcasts_keys_and_positions(rng):
     for b, k in itertools.product(range(3), range(4)):
         want = [gumbel_py(keys[b, 0, 0], keys[b, 0, 1], v, pos[b, k]) for v in range(6, 13)]
         np.testing.assert_allclose(got[b, k], want, rtol=1e-6, atol=1e-6)
-
-
-def quantize_np(w2):
-    w2 = np.asarray(w2, np.float32)
-    amax = np.abs(w2).max(axis=1)
-    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    q = np.clip(np.rint(w2 / scale[:, None]), -127, 127).astype(np.int8)  # rint: round half to even
-    return q, scale
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_quantize_matches_numpy(rng, dtype):
-    v, r = 37, 24
-    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
-    w2[3] = 0.0  # zero row: scale 1, q 0
-    w2[5, :8] = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5]  # scale 1, exact halves -> even
-    w2[5, 8:] = 0.25
-    w2[6] = -w2[5]
-    w2 = np.asarray(jnp.asarray(w2, dtype).astype(jnp.float32))
-    w1 = jnp.asarray(rng.normal(0, 1, (11, r)), jnp.bfloat16)
-    qhead = jax_markov.quantize(jax_markov.MarkovHead(w1, jnp.asarray(w2, dtype)))
-    assert qhead.q.dtype == jnp.int8 and qhead.scale.dtype == jnp.float32 and qhead.w1 is w1
-    q, scale = quantize_np(w2)
-    np.testing.assert_array_equal(np.asarray(qhead.scale), scale)
-    np.testing.assert_array_equal(np.asarray(qhead.q), q)
-    assert scale[3] == 1.0 and not q[3].any()
-    np.testing.assert_array_equal(q[5, :8], [127, 0, 2, 2, 0, -2, 4, -126])
-    np.testing.assert_array_equal(q[6, :8], [-127, 0, -2, -2, 0, 2, -4, 126])
-    assert np.abs(q).max(axis=1)[np.abs(w2).max(axis=1) > 0].min() == 127  # every nonzero row uses the range
-    np.testing.assert_array_equal(np.asarray(qhead.dequantized_w2()), q.astype(np.float32) * scale[:, None])
-    # quantization error at most half a step per element
-    assert np.all(np.abs(q * scale[:, None] - w2) <= scale[:, None] * (0.5 + 1e-6))
-    assert jax_markov.quantize(qhead) is qhead
-    with pytest.raises(TypeError, match="MarkovHead"):
-        jax_markov.quantize((w1, w2))
-
-
-def test_head_repr_reports_memory():
-    v, r, vt = 4096, 256, 6000
-    head = jax_markov.MarkovHead(jnp.zeros((vt, r), jnp.bfloat16), jnp.zeros((v, r), jnp.bfloat16))
-    total = (vt * r * 2 + v * r * 2) / 2**20
-    assert head.nbytes == vt * r * 2 + v * r * 2
-    assert repr(head) == f"MarkovHead(w1=bfloat16[{vt}, {r}], w2=bfloat16[{v}, {r}], memory={total:.1f} MiB)"
-    qhead = jax_markov.quantize(head)
-    w2_bytes = v * r + 4 * v
-    assert qhead.nbytes == vt * r * 2 + w2_bytes
-    text = repr(qhead)
-    assert f"w2 memory={w2_bytes / 2**20:.1f} MiB" in text
-    assert f"total memory={(vt * r * 2 + w2_bytes) / 2**20:.1f} MiB" in text
-    assert f"q=int8[{v}, {r}]" in text and (head.rank, head.draft_vocab, head.target_vocab) == (r, v, vt)
-    assert (qhead.rank, qhead.draft_vocab, qhead.target_vocab) == (r, v, vt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,120 +468,7 @@ def test_sampled_bf16_logits_choose_from_the_stored_row(rng, make_head, make_inp
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling: the distribution, reproducibility, independence
-# ---------------------------------------------------------------------------------------------
-
-P_MIN = 1e-3  # chi-square p-value threshold (fixed seeds: the outcome is deterministic)
-
-
-def softmax64(x):
-    x = np.asarray(x, np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _sampling_setup(rng, n, k, v, r, temperature, seed):
-    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32),
-                                 jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32))
-    row = rng.normal(0, 0.7, (k, v)).astype(np.float32)
-    base = jnp.broadcast_to(jnp.asarray(row), (n, k, v))
-    keys = jax.random.split(jax.random.key(seed), n)
-    kw = dict(temperature=jnp.full((n,), temperature, jnp.float32), key=keys,
-              position=jnp.full((n,), 1000, jnp.int32))
-    return head, row, base, kw
-
-
-def _bias64(head, prev):
-    w1, w2 = (np.asarray(w, np.float64) for w in head_f32(head))
-    return w2 @ w1[prev]
-
-
-@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
-def test_sampling_distribution_one_step(rng, temperature):
-    n, v = 40_000, 8
-    head, row, base, kw = _sampling_setup(rng, n, 1, v, 8, temperature, seed=11)
-    anchor = jnp.full((n,), 5, jnp.int32)
-    tokens = np.asarray(reference.walk(base, anchor, head, **kw).tokens[:, 0])
-    probs = softmax64((row[0] + _bias64(head, 5)) / temperature)
-    assert probs.min() * n > 20
-    counts = np.bincount(tokens, minlength=v)
-    p = stats.chisquare(counts, probs * n).pvalue
-    assert p > P_MIN, (counts, probs * n, p)
-    # the test has power: the distribution without the Markov bias is rejected
-    probs_nobias = softmax64(row[0] / temperature)
-    assert stats.chisquare(counts, probs_nobias * n).pvalue < 1e-6
-
-
-def test_sampling_distribution_two_steps_with_markov_bias(rng):
-    """Joint law of (tok_0, tok_1): p(t0) * p(t1 | t0), the second step biased by the first token."""
-    n, v, t = 40_000, 6, 1.3
-    head, row, base, kw = _sampling_setup(rng, n, 2, v, 8, t, seed=12)
-    anchor = jnp.full((n,), 2, jnp.int32)
-    tokens = np.asarray(reference.walk(base, anchor, head, **kw).tokens)
-    p0 = softmax64((row[0] + _bias64(head, 2)) / t)
-    joint = np.stack([p0[a] * softmax64((row[1] + _bias64(head, a)) / t) for a in range(v)])
-    assert joint.min() * n > 5
-    counts = np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v)
-    p = stats.chisquare(counts, joint.ravel() * n).pvalue
-    assert p > P_MIN, p
-    # power: the law with the bias of the anchor (not of the drafted token) at step 1 is rejected
-    wrong = np.outer(p0, softmax64((row[1] + _bias64(head, 2)) / t))
-    assert stats.chisquare(counts, wrong.ravel() * n).pvalue < 1e-6
-
-
-def test_same_key_and_position_same_tokens(rng, make_head, make_inputs):
-    b, k, v = 8, 4, 32
-    head = make_head(rng, v, 8)
-    inputs = make_inputs(rng, b, k, v, sampled=True)
-    inputs["temperature"] = jnp.full((b,), 1.0, jnp.float32)
-    first = np.asarray(reference.walk(head=head, **inputs).tokens)
-    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **inputs).tokens), first)
-    # a request's tokens do not depend on the rest of the batch
-    for i in (0, 5):
-        alone = reference.walk(head=head, **{n: x[i:i + 1] for n, x in inputs.items()})
-        np.testing.assert_array_equal(np.asarray(alone.tokens[0]), first[i])
-    # raw key words give the same tokens as typed keys
-    raw = dict(inputs, key=jax.random.key_data(inputs["key"]))
-    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **raw).tokens), first)
-
-
-def test_different_position_independent_tokens(rng):
-    n, v, t = 20_000, 6, 1.0
-    head, row, base, kw = _sampling_setup(rng, n, 1, v, 8, t, seed=13)
-    anchor = jnp.full((n,), 1, jnp.int32)
-    a = np.asarray(reference.walk(base, anchor, head, **kw).tokens[:, 0])
-    kw2 = dict(kw, position=kw["position"] + 17)
-    c = np.asarray(reference.walk(base, anchor, head, **kw2).tokens[:, 0])
-    probs = softmax64((row[0] + _bias64(head, 1)) / t)
-    # both follow the law, differ where an independent draw would, and are independent of each other
-    for tok in (a, c):
-        assert stats.chisquare(np.bincount(tok, minlength=v), probs * n).pvalue > P_MIN
-    expected_diff = 1 - (probs**2).sum()
-    assert abs(np.mean(a != c) - expected_diff) < 5 * np.sqrt(expected_diff * (1 - expected_diff) / n)
-    table = np.zeros((v, v))
-    np.add.at(table, (a, c), 1)
-    assert stats.chi2_contingency(table).pvalue > P_MIN
-    # another key at the same position is also another draw
-    kw3 = dict(kw, key=jax.random.split(jax.random.key(99), n))
-    d = np.asarray(reference.walk(base, anchor, head, **kw3).tokens[:, 0])
-    assert abs(np.mean(a != d) - expected_diff) < 5 * np.sqrt(expected_diff * (1 - expected_diff) / n)
-
-
-def test_greedy_rows_ignore_key_and_position(rng, make_head, make_inputs):
-    b, k, v = 6, 3, 32
-    head = make_head(rng, v, 8)
-    inputs = make_inputs(rng, b, k, v, sampled=True)
-    inputs["temperature"] = jnp.asarray([0.0, 1.0, 0.0, -1.0, jnp.nan, 0.7], jnp.float32)  # <= 0 or NaN: greedy
-    got = np.asarray(reference.walk(head=head, **inputs).tokens)
-    greedy = np.asarray(reference.walk(inputs["base_logits"], inputs["anchor"], head).tokens)
-    np.testing.assert_array_equal(got[[0, 2, 3, 4]], greedy[[0, 2, 3, 4]])
-    other = dict(inputs, key=jax.random.split(jax.random.key(5), b), position=inputs["position"] + 100)
-    np.testing.assert_array_equal(np.asarray(reference.walk(head=head, **other).tokens)[[0, 2, 3, 4]],
-                                  greedy[[0, 2, 3, 4]])
-
-
-# ---------------------------------------------------------------------------------------------
-# Masked columns, padding and infinite temperatures; overflow; non-finite int8 rows
+# Masked columns, padding and infinite temperatures; overflow
 # ---------------------------------------------------------------------------------------------
 
 def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_head, assert_tokens_match):
@@ -654,24 +491,6 @@ def test_infinite_temperature_never_samples_padding_or_masked_columns(rng, make_
         allowed = [v for v in range(50) if np.asarray(b)[i, k, v] != -np.inf]
         noise = [gumbel_py(key[i, 0], key[i, 1], v, int(kw["position"][i]) + k) for v in allowed]
         assert tokens[i, k] == allowed[int(np.argmax(noise))]
-
-
-def test_infinite_temperature_is_uniform_among_the_other_columns(rng):
-    """n requests with their own keys: T = +inf draws uniformly among the 5 columns that are neither
-    masked (-inf) nor padding, whatever their logits; T = 1 does not (the negative control)."""
-    n, v = 20_000, 9
-    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32),
-                                 jnp.asarray(rng.normal(0, 0.5, (v, 8)), jnp.float32))
-    row = np.array([3.0, -np.inf, 0.0, -2.0, -np.inf, 1.0, 4.0, 9.0, 9.0], np.float32)  # 7, 8: padding
-    base = jnp.broadcast_to(jnp.asarray(row), (n, 1, v))
-    kw = dict(key=jax.random.split(jax.random.key(21), n), position=jnp.full((n,), 7, jnp.int32), vocab_size=7)
-    anchor = jnp.zeros((n,), jnp.int32)
-    tokens = np.asarray(reference.walk(base, anchor, head, temperature=jnp.full((n,), jnp.inf), **kw).tokens[:, 0])
-    counts = np.bincount(tokens, minlength=v)
-    assert counts[[1, 4, 7, 8]].sum() == 0
-    assert stats.chisquare(counts[[0, 2, 3, 5, 6]]).pvalue > P_MIN, counts
-    warm = np.asarray(reference.walk(base, anchor, head, temperature=jnp.ones((n,)), **kw).tokens[:, 0])
-    assert stats.chisquare(np.bincount(warm, minlength=v)[[0, 2, 3, 5, 6]]).pvalue < 1e-6
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -705,101 +524,3 @@ def test_overflowing_bias_is_infinite_by_its_sign_never_nan(rng, batch, w2_dtype
         first = int(np.argmax(exact[b, k] > 3.5e38))
         if exact[b, k, first] > 3.5e38 and np.all(small[b, k, :first]):
             assert got.tokens[b, k] == first
-
-
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_quantize_refuses_non_finite_rows_and_poisons_them_under_transforms(rng, bad):
-    """Eagerly, a W2 row holding a NaN or an infinity is an error naming the rows; under jit and vmap
-    it gets a NaN scale (and q = 0) while every other row quantizes as usual."""
-    v, r = 40, 16
-    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
-    w2[3, 11] = bad
-    w2[17, 0] = bad
-    w1 = jnp.asarray(rng.normal(0, 1, (v, r)), jnp.float32)
-    head = jax_markov.MarkovHead(w1, jnp.asarray(w2))
-    with pytest.raises(ValueError, match=r"W2 rows \[3, 17\] hold NaN or infinite values"):
-        jax_markov.quantize(head)
-    clean = w2.copy()
-    clean[[3, 17]] = 0.0
-    q_clean, s_clean = quantize_np(clean)
-    for q in (jax.jit(jax_markov.quantize)(head),
-              jax.tree.map(lambda x: x[0], jax.vmap(jax_markov.quantize)(jax.tree.map(lambda x: x[None], head)))):
-        scale = np.asarray(q.scale)
-        assert np.isnan(scale[[3, 17]]).all() and not np.isnan(np.delete(scale, [3, 17])).any()
-        np.testing.assert_array_equal(np.delete(scale, [3, 17]), np.delete(s_clean, [3, 17]))
-        np.testing.assert_array_equal(np.asarray(q.q), q_clean)
-
-
-def test_nan_row_drafts_alike_with_the_float_and_the_int8_head(rng, make_inputs):
-    """A NaN in W2's row 3: the float head's bias of column 3 is NaN at every step, so is the int8
-    head's (NaN scale): both choose column 3 at every step, greedy and sampled rows alike."""
-    v, r = 24, 8
-    w2 = rng.normal(0, 0.5, (v, r)).astype(np.float32)
-    w2[3, 5] = np.nan
-    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32), jnp.asarray(w2))
-    inputs = make_inputs(rng, 6, 3, v, sampled=True)
-    for h in (head, jax.jit(jax_markov.quantize)(head)):
-        tokens = np.asarray(reference.walk(head=h, **inputs).tokens)
-        np.testing.assert_array_equal(tokens, 3)
-
-
-# ---------------------------------------------------------------------------------------------
-# The compiled walk: no W1-sized temporaries
-# ---------------------------------------------------------------------------------------------
-
-_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
-_HLO_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(")
-_HLO_CALLS = re.compile(r"calls=%([\w.-]+)")
-
-
-def hlo_buffers(hlo_text):
-    """(type, opcode) of the instructions of compiled HLO text that live in memory: those outside
-    fused computations (inside a fusion, an elementwise op on W1 feeding a gather of B rows only
-    computes those rows)."""
-    computations, current = {}, None
-    for line in hlo_text.splitlines():
-        if current is None:
-            match = _HLO_COMPUTATION.match(line)
-            if match and line.rstrip().endswith("{"):
-                current = computations.setdefault(match.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        else:
-            current.append(line)
-    fused = {c for lines in computations.values() for line in lines if " fusion(" in line
-             for c in _HLO_CALLS.findall(line)}
-    return [match.groups() for name, lines in computations.items() if name not in fused
-            for match in map(_HLO_INSTRUCTION.match, lines) if match]
-
-
-@pytest.mark.parametrize("entry", ["reference.walk", "walk"])
-@pytest.mark.parametrize("w1_dtype,w2_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, "int8"),
-                                               (jnp.float16, jnp.float16), (jnp.float32, "int8")],
-                         ids=["bf16", "bf16-int8", "f16", "f32-int8"])
-@pytest.mark.parametrize("batch", [1, 16])
-def test_compiled_walk_widens_only_the_rows_it_looks_up(rng, make_head, make_inputs, entry, w1_dtype, w2_dtype,
-                                                        batch):
-    """The jitted reference walk (the fallback and the eager arm of the benchmarks) gathers the B
-    rows of W1 it needs per step; it never builds a float32 copy of all of W1 (XLA's CPU backend
-    did: it runs a bf16 gather in float32 and hoists the widening of W1 out of the loop), nor any
-    other W1-sized temporary. V_target = 5003 (prime, unlike any other dimension) names W1."""
-    v, v_target, r, k = 384, 5003, 256, 7
-    cpu = jax.devices("cpu")[0]
-    head = jax.device_put(make_head(rng, v, r, v_target=v_target, w1_dtype=w1_dtype, w2_dtype=w2_dtype), cpu)
-    inputs = jax.device_put(make_inputs(rng, batch, k, v, v_target=v_target, dtype=jnp.bfloat16), cpu)
-    fn = reference.walk if entry == "reference.walk" else functools.partial(jax_markov.walk, impl="reference")
-    walk = jax.jit(lambda base, anchor, head: fn(base, anchor, head, return_logits=True, return_embeds=True))
-    compiled = walk.lower(inputs["base_logits"], inputs["anchor"], head).compile()
-    text = compiled.as_text()
-    w1_shape = f"[{v_target},{r}]"
-    if w1_dtype != jnp.float32:
-        assert f"f32{w1_shape}" not in text, "a float32 copy of all of W1"
-    temporaries = [(t, op) for t, op in hlo_buffers(text)
-                   if t.endswith(w1_shape) and op not in ("parameter", "get-tuple-element", "bitcast")]
-    assert not temporaries, f"W1-sized temporaries: {temporaries}"
-    # and the rows are W1's own, bit for bit
-    got = compiled(inputs["base_logits"], inputs["anchor"], head)
-    prev = np.concatenate([np.asarray(inputs["anchor"])[:, None], np.asarray(got.tokens)[:, :-1]], axis=1)
-    want = np.asarray(jax.lax.bitcast_convert_type(head.w1, jnp.uint16 if head.w1.dtype.itemsize == 2 else jnp.uint32))
-    have = np.asarray(jax.lax.bitcast_convert_type(got.embeds, want.dtype))
-    np.testing.assert_array_equal(have, want[prev])

@@ -4,14 +4,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "cpu/isa.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* JaxMarkovWalkCpu(XLA_FFI_CallFrame* call_frame);
-
-namespace jax_markov {
-const char* CpuIsaName();
-bool SetCpuIsa(const std::string& name);
-}  // namespace jax_markov
 
 namespace nb = nanobind;
 
@@ -19,12 +15,12 @@ NB_MODULE(_markov_cpu, m) {
   m.doc() = "The jax_markov CPU custom call (XLA FFI target jax_markov_walk).";
   m.def("handler", [] { return nb::capsule(reinterpret_cast<void*>(&JaxMarkovWalkCpu)); },
         "The XLA FFI handler of jax_markov_walk, as a PyCapsule for jax.ffi.register_ffi_target.");
-  m.def("isa", [] { return std::string(jax_markov::CpuIsaName()); },
+  m.def("isa", [] { return std::string(jax_markov::cpu::CpuIsaName()); },
         "The SIMD path the handler runs: 'avx2' (AVX2+FMA+F16C, chosen at run time) or 'generic'.");
   m.def(
       "set_isa",
       [](const std::string& name) {
-        if (!jax_markov::SetCpuIsa(name)) {
+        if (!jax_markov::cpu::SetCpuIsa(name)) {
           throw nb::value_error(("set_isa: expected 'auto', 'generic' or (on a CPU that has it) 'avx2', got '" +
                                  name + "'").c_str());
         }

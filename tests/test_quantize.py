@@ -1,0 +1,99 @@
+"""jax_markov.quantize against NumPy (SPEC.md's int8 layout: one fp32 scale per row, q = rint(w / scale)),
+the heads' memory report, and W2 rows holding NaN or infinities (refused eagerly, a NaN scale under
+transforms, so that the int8 head drafts as the float head does).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov
+from jax_markov import reference
+
+def quantize_np(w2):
+    w2 = np.asarray(w2, np.float32)
+    amax = np.abs(w2).max(axis=1)
+    scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w2 / scale[:, None]), -127, 127).astype(np.int8)  # rint: round half to even
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_quantize_matches_numpy(rng, dtype):
+    v, r = 37, 24
+    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
+    w2[3] = 0.0  # zero row: scale 1, q 0
+    w2[5, :8] = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5]  # scale 1, exact halves -> even
+    w2[5, 8:] = 0.25
+    w2[6] = -w2[5]
+    w2 = np.asarray(jnp.asarray(w2, dtype).astype(jnp.float32))
+    w1 = jnp.asarray(rng.normal(0, 1, (11, r)), jnp.bfloat16)
+    qhead = jax_markov.quantize(jax_markov.MarkovHead(w1, jnp.asarray(w2, dtype)))
+    assert qhead.q.dtype == jnp.int8 and qhead.scale.dtype == jnp.float32 and qhead.w1 is w1
+    q, scale = quantize_np(w2)
+    np.testing.assert_array_equal(np.asarray(qhead.scale), scale)
+    np.testing.assert_array_equal(np.asarray(qhead.q), q)
+    assert scale[3] == 1.0 and not q[3].any()
+    np.testing.assert_array_equal(q[5, :8], [127, 0, 2, 2, 0, -2, 4, -126])
+    np.testing.assert_array_equal(q[6, :8], [-127, 0, -2, -2, 0, 2, -4, 126])
+    assert np.abs(q).max(axis=1)[np.abs(w2).max(axis=1) > 0].min() == 127  # every nonzero row uses the range
+    np.testing.assert_array_equal(np.asarray(qhead.dequantized_w2()), q.astype(np.float32) * scale[:, None])
+    # quantization error at most half a step per element
+    assert np.all(np.abs(q * scale[:, None] - w2) <= scale[:, None] * (0.5 + 1e-6))
+    assert jax_markov.quantize(qhead) is qhead
+    with pytest.raises(TypeError, match="MarkovHead"):
+        jax_markov.quantize((w1, w2))
+
+
+def test_head_repr_reports_memory():
+    v, r, vt = 4096, 256, 6000
+    head = jax_markov.MarkovHead(jnp.zeros((vt, r), jnp.bfloat16), jnp.zeros((v, r), jnp.bfloat16))
+    total = (vt * r * 2 + v * r * 2) / 2**20
+    assert head.nbytes == vt * r * 2 + v * r * 2
+    assert repr(head) == f"MarkovHead(w1=bfloat16[{vt}, {r}], w2=bfloat16[{v}, {r}], memory={total:.1f} MiB)"
+    qhead = jax_markov.quantize(head)
+    w2_bytes = v * r + 4 * v
+    assert qhead.nbytes == vt * r * 2 + w2_bytes
+    text = repr(qhead)
+    assert f"w2 memory={w2_bytes / 2**20:.1f} MiB" in text
+    assert f"total memory={(vt * r * 2 + w2_bytes) / 2**20:.1f} MiB" in text
+    assert f"q=int8[{v}, {r}]" in text and (head.rank, head.draft_vocab, head.target_vocab) == (r, v, vt)
+    assert (qhead.rank, qhead.draft_vocab, qhead.target_vocab) == (r, v, vt)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_refuses_non_finite_rows_and_poisons_them_under_transforms(rng, bad):
+    """Eagerly, a W2 row holding a NaN or an infinity is an error naming the rows; under jit and vmap
+    it gets a NaN scale (and q = 0) while every other row quantizes as usual."""
+    v, r = 40, 16
+    w2 = rng.normal(0, 0.3, (v, r)).astype(np.float32)
+    w2[3, 11] = bad
+    w2[17, 0] = bad
+    w1 = jnp.asarray(rng.normal(0, 1, (v, r)), jnp.float32)
+    head = jax_markov.MarkovHead(w1, jnp.asarray(w2))
+    with pytest.raises(ValueError, match=r"W2 rows \[3, 17\] hold NaN or infinite values"):
+        jax_markov.quantize(head)
+    clean = w2.copy()
+    clean[[3, 17]] = 0.0
+    q_clean, s_clean = quantize_np(clean)
+    for q in (jax.jit(jax_markov.quantize)(head),
+              jax.tree.map(lambda x: x[0], jax.vmap(jax_markov.quantize)(jax.tree.map(lambda x: x[None], head)))):
+        scale = np.asarray(q.scale)
+        assert np.isnan(scale[[3, 17]]).all() and not np.isnan(np.delete(scale, [3, 17])).any()
+        np.testing.assert_array_equal(np.delete(scale, [3, 17]), np.delete(s_clean, [3, 17]))
+        np.testing.assert_array_equal(np.asarray(q.q), q_clean)
+
+
+def test_nan_row_drafts_alike_with_the_float_and_the_int8_head(rng, make_inputs):
+    """A NaN in W2's row 3: the float head's bias of column 3 is NaN at every step, so is the int8
+    head's (NaN scale): both choose column 3 at every step, greedy and sampled rows alike."""
+    v, r = 24, 8
+    w2 = rng.normal(0, 0.5, (v, r)).astype(np.float32)
+    w2[3, 5] = np.nan
+    head = jax_markov.MarkovHead(jnp.asarray(rng.normal(0, 0.5, (v, r)), jnp.float32), jnp.asarray(w2))
+    inputs = make_inputs(rng, 6, 3, v, sampled=True)
+    for h in (head, jax.jit(jax_markov.quantize)(head)):
+        tokens = np.asarray(reference.walk(head=h, **inputs).tokens)
+        np.testing.assert_array_equal(tokens, 3)
