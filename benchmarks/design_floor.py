@@ -21,7 +21,8 @@ hbm_copy is bytes read + written per second of a 1 GiB device-to-device copy; sm
 are bytes read per second by all SMs together; 12 KiB is the kernel's fixed shared-memory state. The
 kernel scores batches of up to WGMMA_MIN_BATCH - 1 requests with warp-level mma.sync and larger ones
 with wgmma, so the tensor time takes the rate of the instruction it uses. A sampled row needs one
-Gumbel noise value (SPEC.md: Philox4x32-10 and two logs) per request, vocabulary row and step;
+Gumbel noise value (docs/spec.md, version 2: a quarter of a Philox4x32-10 block and two logs) per
+request, vocabulary row and step;
 noise_rate is how many of them all SMs compute per second.
 
 `python3 benchmarks/design_floor.py` measures the constants on the first CUDA GPU and prints them and

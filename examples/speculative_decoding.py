@@ -241,7 +241,7 @@ def render(args, cfg, device, fit_error, rows):
         f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone.",
         f"- Markov head: rank r = {cfg['markov_rank']}, fit to the target's bigram table minus the drafter's mask-row "
         f"logits by a truncated SVD (relative error {fit_error:.2e}); the bf16 head rounds it to bfloat16, the "
-        f"int8 head quantizes that W2 per row (SPEC.md).",
+        f"int8 head quantizes that W2 per row (docs/spec.md).",
         f"- batch {cfg['batch']} requests, prompts of {cfg['prompt_len']} random tokens, {cfg['new_tokens']} new "
         f"tokens each; tokens/s = batch x new tokens / wall time of one jitted decode (prefill included, "
         f"compilation excluded), best of {cfg['repeats']} runs.",

@@ -11,7 +11,7 @@ from .result import WalkResult, to_result
 def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
          logit_scale=1.0, d2t=None, return_logits=False, logits_dtype=jnp.float32, return_embeds=False,
          impl="auto") -> WalkResult:
-    """Draft K tokens per request with the DSpark Markov walk (SPEC.md), in one primitive.
+    """Draft K tokens per request with the DSpark Markov walk (docs/spec.md), in one primitive.
 
     base_logits: [B, K, V] block-drafter logits (bf16/f16/f32); row k predicts draft token k.
     anchor: [B] last committed (target-vocabulary) token of each request, any integer dtype; clamped

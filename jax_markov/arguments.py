@@ -72,7 +72,7 @@ def clamp_to_int32(x, lo: int, hi: int):
     return jnp.asarray(xp.clip(x, lo, hi).astype(np.int32))
 
 
-# Philox counter word 1 is (uint32)(position + k) (SPEC.md): int32 and uint32 positions both keep
+# Philox counter word 1 is (uint32)(position + k) (docs/spec.md): int32 and uint32 positions both keep
 # their meaning; wider ones must lie in their union, or two positions would share one noise stream.
 POSITION_RANGE = (-(2**31), 2**32 - 1)
 

@@ -92,7 +92,7 @@ class QuantizedMarkovHead:
 
 
 def quantize(head: MarkovHead) -> QuantizedMarkovHead:
-    """int8 W2 with one fp32 scale per row, exactly as SPEC.md: scale = max|row| / 127
+    """int8 W2 with one fp32 scale per row, exactly as docs/spec.md: scale = max|row| / 127
     (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127].
 
     int8 cannot hold a NaN or an infinity: called eagerly, a W2 with such values is an error naming
@@ -114,7 +114,7 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
             raise ValueError(f"quantize: W2 rows [{shown}]{more} hold NaN or infinite values, which int8 cannot "
                              f"represent ({rows.size} of {w2.shape[0]} rows)")
     amax = jnp.max(jnp.abs(w2), axis=1)
-    # XLA rewrites `x / broadcast(y)` as `x * broadcast(1 / y)`, which is not the division SPEC.md
+    # XLA rewrites `x / broadcast(y)` as `x * broadcast(1 / y)`, which is not the division docs/spec.md
     # asks for (scale and q would differ from max|row| / 127 and round(W2 / scale) in the last bit).
     # Full-size divisors behind an optimization barrier keep the true IEEE division. The 127s are
     # derived from amax so that under vmap they are batched too (not a broadcast of a constant).

@@ -1,4 +1,4 @@
-"""Philox4x32-10 and the Gumbel noise of SPEC.md, in uint32 jnp arithmetic (no x64 needed).
+"""Philox4x32-10 and the Gumbel noise of docs/spec.md, in uint32 jnp arithmetic (no x64 needed).
 
 The public functions are what every random stream of the package is made of:
 - `philox4x32_10(counter, key)`: the four output words of Philox blocks;
@@ -66,7 +66,7 @@ def gumbel_from_bits(x):
 
 
 def gumbel_noise(key_words, column, position):
-    """SPEC.md's draft noise g(v) for arbitrary columns v: word v mod 4 of the Philox block at
+    """docs/spec.md's draft noise g(v) for arbitrary columns v: word v mod 4 of the Philox block at
     counter (v // 4, position, 0x40000000, 0).
 
     key_words: (k0, k1) uint32 key halves; column (ints >= 0) and position broadcast against them.

@@ -1,6 +1,6 @@
 """The pure-JAX walk: the parity oracle, the eager arm of the benchmarks, the fallback everywhere.
 
-A `lax.scan` over the K draft steps, computing exactly SPEC.md in float32.
+A `lax.scan` over the K draft steps, computing exactly docs/spec.md in float32.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def lookup_rows(w1, idx):
 
 
 def spec_argmax(score):
-    """SPEC.md's choice over the last axis: the lowest index of the maximum, or the first NaN.
+    """docs/spec.md's choice over the last axis: the lowest index of the maximum, or the first NaN.
 
     jnp.argmax means the same, but XLA's GPU reduction does not keep "first NaN" (it returned the
     last of two NaNs on an H200), so NaNs are located separately."""
@@ -80,14 +80,14 @@ def spec_argmax(score):
 
 
 def gumbel_max_score(logits, inv_t, noise):
-    """The score of a sampled row (SPEC.md): l * (1/T) + g, except that a column whose l is -inf (masked,
+    """The score of a sampled row (docs/spec.md): l * (1/T) + g, except that a column whose l is -inf (masked,
     or padding) scores -inf, never the NaN of -inf * 0 (1/T = 0 at T = +inf, where the row is then
     sampled uniformly among the other columns)."""
     return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t + noise)
 
 
 def step_scorer(start, count: int, temperature, key, position, params: arguments.WalkParams):
-    """f(logits, k) -> (l_k, score) of SPEC.md for the `count` columns from global vocabulary index
+    """f(logits, k) -> (l_k, score) of docs/spec.md for the `count` columns from global vocabulary index
     `start` (an int, or traced in a vocabulary shard): padding -inf, l_k rounded to logits_dtype when
     logits are asked for, and the score chosen from (l_k for greedy rows, `gumbel_max_score` for
     sampled rows)."""

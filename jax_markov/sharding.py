@@ -44,7 +44,7 @@ def walk(base_logits, anchor, head, *, mesh=None, layout="batch", batch_axis=Non
          w1_sharded=False, temperature=None, key=None, position=None, vocab_size=None, logit_scale=1.0,
          d2t=None, return_logits=False, logits_dtype=jnp.float32, return_embeds=False,
          impl="auto") -> WalkResult:
-    """`jax_markov.walk` on a device mesh; same arguments and results (SPEC.md), plus:
+    """`jax_markov.walk` on a device mesh; same arguments and results (docs/spec.md), plus:
 
     mesh: a `jax.sharding.Mesh` (Auto or Explicit axes); None = the mesh set with `jax.set_mesh`.
     layout: "batch", "vocab" or "replicated" (module docstring).
@@ -188,7 +188,7 @@ def _local_logits(base_k, e, w2, w2_scale, params):
 
 
 def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
-    """The per-device walk of the vocab layout (inside shard_map): the reference walk of SPEC.md on
+    """The per-device walk of the vocab layout (inside shard_map): the reference walk of docs/spec.md on
     a vocabulary shard, with global column indices, and one all-gather per step to agree."""
 
     def body(base, anchor, w1, w2, w2_scale, temperature, key, position, d2t):

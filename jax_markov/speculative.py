@@ -2,7 +2,7 @@
 
 Random streams. Every random number here comes from Philox4x32-10 keyed, like the walk's noise,
 with the request's two key words, and is told apart from the draft noise (counter word 2 =
-0x40000000, SPEC.md) by its own counter word 2:
+0x40000000, docs/spec.md) by its own counter word 2:
 
 - `ACCEPT_STREAM` (0x40000001): the uniform u that accepts the draft token at sequence position t,
   counter (0, t, 0x40000001, 0);
@@ -81,7 +81,7 @@ def _inverse_temperature(temperature, batch):
 
 def _tempered(logits, inv_t):
     """logits * (1/T), -inf staying -inf (1/T is 0 at T = +inf): the masked and padding columns keep
-    probability 0 and the others are uniform there, as in the walk (SPEC.md)."""
+    probability 0 and the others are uniform there, as in the walk (docs/spec.md)."""
     return jnp.where(logits == -jnp.inf, -jnp.inf, logits * inv_t)
 
 
@@ -321,7 +321,7 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
     at every step. temperature [B] (or scalar; 0 = greedy) with key ([B] PRNG keys or [B, 2] uint32
     words), or None for all-greedy. use_markov_head=False drafts from the block drafter's logits
     alone. logits_dtype: the dtype of the draft logits the walk returns, i.e. of the q the verifier
-    uses (SPEC.md). impl: the walk's implementation ("auto", "reference", "ffi").
+    uses (docs/spec.md). impl: the walk's implementation ("auto", "reference", "ffi").
 
     Each step: draft K tokens after the anchor (the last committed token, at position p) with the
     walk at position p + 1, run the target once on [anchor, drafts] (positions p .. p+K), accept

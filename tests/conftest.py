@@ -1,4 +1,4 @@
-"""Shared test helpers: random heads and inputs, and the near-tie token comparison of SPEC.md.
+"""Shared test helpers: random heads and inputs, and the near-tie token comparison of docs/spec.md.
 
 Use them as fixtures (the importlib import mode keeps conftest out of `import`):
 
@@ -79,7 +79,7 @@ def _column_of(tokens, d2t):
 
 
 def tokens_match(ref_scores, tokens_ref, tokens_got, tol, *, rtol=0.0, d2t=None, max_mismatch_rows=None):
-    """Token parity up to near-ties (SPEC.md "Numerics and parity").
+    """Token parity up to near-ties (docs/spec.md "Numerics and parity").
 
     ref_scores [B, K, V]: the scores the *reference* chose from (the logits for greedy rows,
     l * (1/T) + g for sampled rows). Per request, steps are compared left to right; where the
@@ -122,7 +122,7 @@ def tokens_match(ref_scores, tokens_ref, tokens_got, tol, *, rtol=0.0, d2t=None,
 
 
 def reference_scores(logits, temperature=None, key=None, position=None):
-    """The scores a walk chose from, given its logits [B, K, V] (SPEC.md): the logits for greedy
+    """The scores a walk chose from, given its logits [B, K, V] (docs/spec.md): the logits for greedy
     rows, l * (1/T) + g(v) for sampled rows (temperature > 0), -inf where l is -inf (also at 1/T = 0).
     For assert_tokens_match."""
     logits = jnp.asarray(logits).astype(jnp.float32)

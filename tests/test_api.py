@@ -223,7 +223,7 @@ def test_wide_ids_are_clamped_in_their_own_width(rng, make_head, make_inputs, im
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 def test_positions_keep_their_philox_counter_or_are_refused(setup, impl):
-    """position: int32 and uint32 values are the counter bits (uint32)(position + k) (SPEC.md), so a
+    """position: int32 and uint32 values are the counter bits (uint32)(position + k) (docs/spec.md), so a
     uint32 position equals the int32 one with its bits; a concrete wider value outside [-2^31, 2^32)
     is an error naming position (it would share a stream with another position); a traced one is
     clamped into that range."""

@@ -1,5 +1,5 @@
-"""The GPU noise's arithmetic helpers (ffi/common/walk_common.h), over every u that SPEC.md's noise can
-take: u = (m + 0.5) * 2^-23 for all 2^23 values of m. UnitOfWord must give SPEC.md's u bit for bit,
+"""The GPU noise's arithmetic helpers (ffi/common/walk_common.h), over every u that docs/spec.md's noise can
+take: u = (m + 0.5) * 2^-23 for all 2^23 values of m. UnitOfWord must give docs/spec.md's u bit for bit,
 and LogOfUnit (the inner log) must stay within an ulp of log in double precision. The GPU is their
 user, so this compiles them for the host with the system's C++ compiler."""
 from __future__ import annotations

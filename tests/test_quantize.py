@@ -1,4 +1,4 @@
-"""jax_markov.quantize against NumPy (SPEC.md's int8 layout: one fp32 scale per row, q = rint(w / scale)),
+"""jax_markov.quantize against NumPy (docs/spec.md's int8 layout: one fp32 scale per row, q = rint(w / scale)),
 the heads' memory report, and W2 rows holding NaN or infinities (refused eagerly, a NaN scale under
 transforms, so that the int8 head drafts as the float head does).
 """

@@ -1,11 +1,11 @@
 """jax_markov.reference.walk (and jax_markov.philox) against an independent, loop-based NumPy reading of
-SPEC.md.
+docs/spec.md.
 
 The oracle below shares no code with the package: its own Philox4x32-10 in Python ints, its own
 Gumbel noise, a loop over requests, steps and vocabulary in float32 NumPy arithmetic, int8 heads
 dequantized as q * scale.
 
-Tolerances (SPEC.md "Numerics and parity"): tokens must be equal, except where the oracle's best
+Tolerances (docs/spec.md "Numerics and parity"): tokens must be equal, except where the oracle's best
 score and its score of the other token differ by at most TOL + RTOL * |best| (near-ties; the rest
 of such a request is not compared because it walks from another token), with at most one such
 request per case. TOL = 1e-4 and RTOL = 1e-5 for float32 logits; when the logits are rounded to
@@ -53,7 +53,7 @@ def uniform_py(x):
 
 
 def gumbel_py(k0, k1, v, position):
-    """SPEC.md's g(v) (version 2): word v mod 4 of the block at counter (v // 4, position, 0x40000000, 0)."""
+    """docs/spec.md's g(v) (version 2): word v mod 4 of the block at counter (v // 4, position, 0x40000000, 0)."""
     x = philox_py((int(v) // 4, position, 0x40000000, 0), (k0, k1))[int(v) % 4]
     u = uniform_py(x)
     return -np.log(-np.log(u))  # float32 throughout
@@ -68,7 +68,7 @@ def round_to(x, dtype):
 
 
 def head_f32(head):
-    """(W1, W2) as float32 NumPy arrays; an int8 W2 dequantized as q * scale (SPEC.md)."""
+    """(W1, W2) as float32 NumPy arrays; an int8 W2 dequantized as q * scale (docs/spec.md)."""
     w1 = np.array(head.w1.astype(jnp.float32))
     if isinstance(head, jax_markov.QuantizedMarkovHead):
         q = np.asarray(head.q).astype(np.float32)
@@ -80,7 +80,7 @@ def head_f32(head):
 
 def oracle_walk(base_logits, anchor, head, *, temperature=None, key=None, position=None, vocab_size=None,
                 logit_scale=1.0, d2t=None, logits_dtype=jnp.float32):
-    """SPEC.md, one request, one step, one column at a time. Returns dict(tokens [B, K] int64,
+    """docs/spec.md, one request, one step, one column at a time. Returns dict(tokens [B, K] int64,
     logits [B, K, V] f32 (rounded to logits_dtype), scores [B, K, V] f32, embeds [B, K, r] f32)."""
     base = np.asarray(jnp.asarray(base_logits).astype(jnp.float32))
     batch, steps, vocab = base.shape
@@ -158,7 +158,7 @@ def walk_both(base_logits, anchor, head, check, *, return_logits=True, return_em
     assert got.tokens.dtype == jnp.int32 and got.tokens.shape == want["tokens"].shape
     mismatches, mask = check(want["scores"], want["tokens"], got.tokens, 1e-4, rtol=TOKEN_RTOL[logits_dtype],
                              d2t=kw.get("d2t"), max_mismatch_rows=1)
-    if mismatches:  # allowed (SPEC.md), but shown in pytest's warnings summary with its count
+    if mismatches:  # allowed (docs/spec.md), but shown in pytest's warnings summary with its count
         warnings.warn(f"reference vs oracle: {mismatches} request(s) differ at a near-tie", stacklevel=2)
     if return_logits:
         assert got.logits.dtype == logits_dtype and got.logits.shape == want["logits"].shape

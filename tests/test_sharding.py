@@ -481,7 +481,7 @@ def test_vocab_layout_ties_nans_signed_zeros_and_padding(shape, batch_axis):
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
 def test_vocab_layout_noise_on_shards_that_start_inside_a_philox_block(shape, impl):
     """V = 40 over 8 or 4 shards: shards of 5 or 10 columns, most of which start at a global column
-    that is not a multiple of 4, i.e. inside a Philox block (SPEC.md version 2: column v is word
+    that is not a multiple of 4, i.e. inside a Philox block (docs/spec.md version 2: column v is word
     v mod 4 of block v // 4). Flat base logits and a zero head: the noise alone decides, so every
     token is the argmax of `philox.gumbel_noise` (pinned to the Python-int oracle in
     test_reference.py) over the columns that are neither masked (-inf) nor padding, at T = 1 and at

@@ -114,7 +114,7 @@ MARKOV_AVX2_INLINE float RoundStore1(float l, void* out, int64_t i) {
 
 // Philox4x32-10 of the two blocks q and q + 1 at counter (q, position, kDraftStream, 0), one block per
 // 128-bit lane, each lane's four words in output order: the noise words of columns 4q .. 4q + 7 in
-// order (SPEC.md). A round is one 64-bit multiply per pair of words, c0 * M0 and c2 * M1 (each in its
+// order (docs/spec.md). A round is one 64-bit multiply per pair of words, c0 * M0 and c2 * M1 (each in its
 // 64-bit half: lo0, hi0, lo1, hi1), reversed into (hi1, lo1, hi0, lo0) and xored with (c1, 0, c3, 0)
 // and the key (k0, 0, k1, 0).
 MARKOV_AVX2_INLINE __m256i PhiloxTwoBlocks(uint32_t q, uint32_t position, uint32_t key0, uint32_t key1) {
@@ -162,7 +162,7 @@ MARKOV_AVX2_INLINE __m256 Log8(__m256 x) {
   return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
 }
 
-// g(v) = -log(-log(u)) for v .. v + 7 (SPEC.md; v a multiple of 4), from PhiloxTwoBlocks and Log8.
+// g(v) = -log(-log(u)) for v .. v + 7 (docs/spec.md; v a multiple of 4), from PhiloxTwoBlocks and Log8.
 MARKOV_AVX2_INLINE __m256 GumbelNoise8(uint32_t v, uint32_t position, uint32_t key0, uint32_t key1) {
   const __m256i x = PhiloxTwoBlocks(v / 4, position, key0, key1);
   const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0.5f)),

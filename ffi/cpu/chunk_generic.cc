@@ -17,7 +17,7 @@ namespace {
 // Sampled rows (portable path): the lowest argmax of l * (1/T) + g(v) over l[0..n) (rows v0 + i),
 // where a -inf l scores -inf (never -inf * 0 = NaN at 1/T = 0), skipping the noise of a column that
 // cannot beat the best score so far. The words of the last Philox block drawn are kept: consecutive
-// columns that need noise share a block (SPEC.md: one block per four columns).
+// columns that need noise share a block (docs/spec.md: one block per four columns).
 inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t, uint32_t k0, uint32_t k1,
                               uint32_t position) {
   const uint32_t k0s[1] = {k0}, k1s[1] = {k1}, positions[1] = {position};

@@ -1,4 +1,4 @@
-// The CPU custom call `jax_markov_walk`: the DSpark Markov walk of ../../shared/SPEC.md, exactly as
+// The CPU custom call `jax_markov_walk`: the DSpark Markov walk of docs/spec.md, exactly as
 // jax_markov/reference.py computes it, fused into one pass over W2 per draft step.
 //
 // Per step k:

@@ -303,7 +303,7 @@ class DSparkDrafter(nnx.Module):
         anchor [B]: the last committed token; anchor_position [B]: its position p, so the walk's
         `position` (the first draft token's) is p + 1. temperature/key as in `jax_markov.walk`.
         use_markov_head=False drafts from the base logits alone (the plain DFlash drafter), with the
-        same noise as the walk (SPEC.md), so greedy and seeded runs stay comparable.
+        same noise as the walk (docs/spec.md), so greedy and seeded runs stay comparable.
         """
         hidden = self.hidden(anchor, anchor_position, context, embed=embed)
         base = self.base_logits(hidden, unembed=unembed)
@@ -366,7 +366,7 @@ class DSparkDrafter(nnx.Module):
 
 def draft_without_head(base_logits, *, temperature=None, key=None, position=None, vocab_size=None,
                        logits_dtype=jnp.float32):
-    """Tokens [B, K] from base logits alone, choosing as the walk does (SPEC.md: greedy = lowest
+    """Tokens [B, K] from base logits alone, choosing as the walk does (docs/spec.md: greedy = lowest
     argmax, sampled = Gumbel-max with the draft stream's noise at position + k). Returns
     (tokens, logits rounded to logits_dtype)."""
     b, k, v = base_logits.shape

@@ -26,7 +26,7 @@ class MarkovHead(nnx.Module):
       markov_w2: [draft_vocab_size, markov_rank], projecting onto the draft vocabulary.
 
     markov_quantization: None (the walk reads the float W2) or "int8" (the walk reads int8 W2 with
-    one float32 scale per row, SPEC.md). The int8 layout is computed once, when the option is set
+    one float32 scale per row, docs/spec.md). The int8 layout is computed once, when the option is set
     or when weights are loaded (`load_weights`, `jax_markov.flax.load_state_dict`), and stored as
     `QuantizedWeight` variables; it is never recomputed per call. If you change `markov_w2` any
     other way (an optimizer step, `nnx.update`), call `refresh_quantization()` afterwards.
@@ -150,7 +150,7 @@ class MarkovHead(nnx.Module):
              logit_scale=None):
         """Draft K tokens per request with this head: `jax_markov.walk(base_logits, anchor, self.head(), ...)`.
 
-        Every argument is as in `jax_markov.walk` (SPEC.md); logit_scale defaults to the head's own."""
+        Every argument is as in `jax_markov.walk` (docs/spec.md); logit_scale defaults to the head's own."""
         return api.walk(base_logits, anchor, self.head(), temperature=temperature, key=key, position=position,
                         vocab_size=vocab_size,
                         logit_scale=self.logit_scale if logit_scale is None else logit_scale, d2t=d2t,

@@ -4,7 +4,7 @@ their fixtures and the parity check.
 Every test draws fresh random inputs (never zeros) from its own seed, printed with the test's output
 and reproducible with JAX_MARKOV_TEST_SEED=<seed>.
 
-Parity rules (SPEC.md, "Numerics and parity"):
+Parity rules (docs/spec.md, "Numerics and parity"):
 - tokens are equal, except at near-ties: a mismatch is allowed only at a step where the reference's
   best score and the reference's score of the token the custom call chose differ by less than
   TIE_RTOL * (1 + |best|) (plus one unit in the last place of the logits dtype, times 1/T, when the
@@ -23,7 +23,7 @@ Fixtures (tests/conftest.py's `rng` and `make_head` are replaced here):
 - make_head(rng, vocab, rank, *, w1_dtype=, w2_dtype=int8, v_target=, w1_scale=), quantize(w1, w2) (NumPy),
   make_base(rng, batch, steps, vocab, dtype=, scale=), make_sampling(rng, batch, mode).
 - walk(impl, base, anchor, head, **kw): jitted, impl "ffi" or "reference"; compare(base, anchor, head, **kw):
-  both, and check_parity(got, want, kw) between them; numpy_gumbel(k0, k1, v, position): SPEC.md's noise.
+  both, and check_parity(got, want, kw) between them; numpy_gumbel(k0, k1, v, position): docs/spec.md's noise.
 - REQUIRE_NATIVE: whether JAX_MARKOV_REQUIRE_NATIVE is set.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def make_head(rng, vocab, rank, *, w1_dtype=jnp.bfloat16, w2_dtype=jnp.int8, v_t
 
 
 def quantize(w1, w2):
-    """jax_markov.quantize (SPEC.md's int8 layout) in numpy: no per-shape compilation in the tests."""
+    """jax_markov.quantize (docs/spec.md's int8 layout) in numpy: no per-shape compilation in the tests."""
     w2 = np.asarray(w2, np.float32)
     amax = np.max(np.abs(w2), axis=1)
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
@@ -139,7 +139,7 @@ def walk(impl, base, anchor, head, **kw):
 
 
 def numpy_gumbel(k0, k1, v, position):
-    """SPEC.md's noise g(v) in numpy (word v mod 4 of Philox4x32-10 at (v // 4, position, 0x40000000, 0)),
+    """docs/spec.md's noise g(v) in numpy (word v mod 4 of Philox4x32-10 at (v // 4, position, 0x40000000, 0)),
     to judge near-ties; broadcasts its arguments. (The walk itself is checked against jax_markov.philox.)"""
     m = np.uint64(0xFFFFFFFF)
     v = np.asarray(v, np.uint64)
