@@ -71,15 +71,23 @@ def cuda_envelope() -> dict:
     return dict(_plan_module().envelope())
 
 
+def _cuda_devices() -> list:
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:  # no CUDA backend on this machine
+        return []
+
+
+def cuda_gpu_available() -> bool:
+    """Whether the CUDA custom call can run here: the module is built and JAX sees a CUDA GPU."""
+    return _markov_cuda is not None and bool(_cuda_devices())
+
+
 @functools.cache
 def _gpu_properties() -> dict:
-    try:
-        gpus = jax.devices("cuda")
-    except RuntimeError:
-        gpus = []
-    if not gpus or _markov_cuda is None:
+    if not cuda_gpu_available():
         return ASSUMED_GPU
-    return dict(_markov_cuda.device_properties(gpus[0].local_hardware_id))
+    return dict(_markov_cuda.device_properties(_cuda_devices()[0].local_hardware_id))
 
 
 def _name(dtype) -> str:

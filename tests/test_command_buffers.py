@@ -13,21 +13,13 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from jax_markov import native
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (_has_gpu() and native.cuda_available()),
+pytestmark = pytest.mark.skipif(not native.cuda_gpu_available(),
                                 reason="needs a CUDA GPU and the jax_markov CUDA module")
 
 COMMAND_BUFFERS = {

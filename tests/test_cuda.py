@@ -18,14 +18,7 @@ import jax_markov as jm
 from jax_markov import native
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not (_has_gpu() and native.cuda_available()),
+pytestmark = pytest.mark.skipif(not native.cuda_gpu_available(),
                                 reason="needs a CUDA GPU and the jax_markov CUDA module")
 
 NEAR_TIE = 2e-5

@@ -11,16 +11,9 @@ from benchmarks import design_floor
 from jax_markov import native
 
 
-def _has_gpu() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
 def _has_probes() -> bool:
     """A CUDA GPU, and the probe kernels built (-DJAX_MARKOV_PROBES=ON) beside the CUDA module."""
-    return _has_gpu() and native.cuda_available() and design_floor._markov_probes is not None
+    return native.cuda_gpu_available() and design_floor._markov_probes is not None
 
 
 # Round numbers: V = 160000 gives 10000 row tiles and 40.96 MB of int8 W2 (+ 0.64 MB of scales);
