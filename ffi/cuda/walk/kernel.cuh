@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "common/walk_common.h"
 #include "cuda/ptx.cuh"
