@@ -7,7 +7,7 @@ namespace jax_markov {
 namespace walk {
 
 #define JAX_MARKOV_TRANSPOSED_INSTANCE(BASE, PACKED, WALK) \
-  if (key == TransposedKernelKey(BASE, PACKED, WALK)) return reinterpret_cast<const void*>(&MarkovWalkTransposedKernel<BASE, PACKED, WALK>);
+  if (key == TransposedKernelKey(BASE, PACKED, WALK)) return reinterpret_cast<const void*>(&MarkovWalkTransposedKernel<TransposedTraits<BASE, PACKED, WALK>>);
 JAX_MARKOV_DEFINE_KERNEL_LOOKUP(TransposedKernel, JAX_MARKOV_TRANSPOSED_KERNELS, JAX_MARKOV_TRANSPOSED_INSTANCE)
 
 }  // namespace walk

@@ -45,24 +45,38 @@
 namespace jax_markov {
 namespace walk {
 
-template <int BASE, bool PACKED, int WALK>
-__global__ void __launch_bounds__(128 * TransposedWarpgroups(WALK, BASE), 1) MarkovWalkTransposedKernel(const WalkArgs a) {
-  constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
-  constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
-  constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
+// The transposed kernel's variants: BASE, the base logits' DType; PACKED, both digits in one A operand
+// (up to kPackedMaxBatch requests); WALK, a TransposedWalk. Every knob that follows from them.
+template <int BASE_, bool PACKED_, int WALK_>
+struct TransposedTraits {
+  static constexpr int BASE = BASE_, WALK = WALK_;
+  static constexpr bool PACKED = PACKED_;
+  static constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
+  static constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
+  static constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
   static_assert(!(ROTATED && PACKED), "the rotated order is the unpacked layout's");
-  constexpr int kWarpgroups = TransposedWarpgroups(WALK, BASE);
+  static constexpr int kWarpgroups = TransposedWarpgroups(WALK, BASE);
   static_assert(!ROTATED || kWarpgroups == kTransposedWarpgroups, "the rotated order is laid out for three warpgroups");
-  constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kThreads = 128 * kWarpgroups;
   using Digits = DigitLayout<PACKED, ROTATED>;
   using Layout = TransposedSmem<PACKED, ROTATED, kWarpgroups>;
-  constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
-  constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
-  constexpr int kWarps = kThreads / 32;
-  constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
+  static constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
+  static constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
   // request 1's once the accumulators are turned into floats (registers for the noise's chains).
-  constexpr int kEarly = SAMPLED && !PACKED ? 1 : kRequests;
+  static constexpr int kEarly = SAMPLED && !PACKED ? 1 : kRequests;
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
+  constexpr int BASE = T::BASE;
+  constexpr bool PACKED = T::PACKED, GENERAL = T::GENERAL, SAMPLED = T::SAMPLED, ROTATED = T::ROTATED;
+  constexpr int kWarpgroups = T::kWarpgroups, kThreads = T::kThreads, kBlocks = T::kBlocks, kRequests = T::kRequests;
+  constexpr int kWarps = T::kWarps, kPerWarp = T::kPerWarp, kEarly = T::kEarly;
+  using Digits = typename T::Digits;
+  using Layout = typename T::Layout;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);
