@@ -289,7 +289,9 @@ def render(args, cfg, device, fit_error, rows):
         f"{cfg['context_scale']:g}) (`jax_markov.flax.bigram_lm`).",
         f"- drafter: `DSparkDrafter`, {cfg['drafter_layers']} layer(s), block size K = {cfg['block_size']} "
         f"([anchor, mask x {cfg['block_size'] - 1}]), "
-        f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone.",
+        f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone "
+        f"whose layers add little to the block's rows (output projections scaled like the target's: std "
+        f"{cfg['context_scale']:g} / sqrt(fan-in)).",
         f"- Markov head: rank r = {cfg['markov_rank']}, fit to the target's bigram table minus the drafter's mask-row "
         f"logits by a truncated SVD (relative error {fit_error:.2e}); the bf16 head rounds it to bfloat16, the "
         f"int8 head quantizes that W2 per row (docs/spec.md).",
