@@ -116,6 +116,7 @@ def test_the_summary_counts_the_settings_above_the_eager_walk_and_the_published_
     lines = gpu_example.summary(rows)
     assert "beat the eager walk's at 3 of 4 settings" in lines[0]
     assert "more than the published gain at 1 of the 3 settings that have one" in lines[0]
+    assert "iterations were faster than the eager walk's at 4 of 4" in lines[0]
     assert "5 of 6 greedy drafter arms" in lines[1]  # the eager and int8 arms of 3 greedy settings
     gains = gpu_example.gains(rows)
     assert gains[(7, 1, "greedy", "kernel-int8")]["gain"] == pytest.approx(5.0)
