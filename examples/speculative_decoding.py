@@ -43,11 +43,11 @@ from jax_markov import flax as jmf  # noqa: E402
 from jax_markov import native  # noqa: E402
 from jax_markov import speculative as sp  # noqa: E402
 
-DEFAULTS = dict(vocab=2048, hidden=256, target_layers=4, heads=8, kv_heads=4, block_size=8, markov_rank=256,
-                bigram_rank=64, sharpness=5.0, context_scale=0.05, batch=4, prompt_len=32, new_tokens=128,
-                temperature=1.0, repeats=5, seed=0)
-QUICK = dict(vocab=512, hidden=128, target_layers=2, heads=4, kv_heads=2, block_size=6, markov_rank=64,
-             bigram_rank=32, new_tokens=48, repeats=1)
+DEFAULTS = dict(vocab=2048, hidden=256, intermediate=512, target_layers=4, heads=8, kv_heads=4, head_dim=32,
+                drafter_layers=1, dtype="float32", block_size=8, markov_rank=256, bigram_rank=64, sharpness=5.0,
+                context_scale=0.05, batch=4, prompt_len=32, new_tokens=128, temperature=1.0, repeats=5, seed=0)
+QUICK = dict(vocab=512, hidden=128, intermediate=256, target_layers=2, heads=4, kv_heads=2, block_size=6,
+             markov_rank=64, bigram_rank=32, new_tokens=48, repeats=1)
 
 
 def parse_args(argv=None):
@@ -68,46 +68,48 @@ def parse_args(argv=None):
     return args, config
 
 
-def build(cfg):
-    v, mask = cfg["vocab"], cfg["vocab"] - 1  # the drafter's mask token: a token the target never predicts much
-    target_config = jmf.CausalLMConfig(vocab_size=v, hidden_size=cfg["hidden"], intermediate_size=2 * cfg["hidden"],
-                                       num_hidden_layers=cfg["target_layers"], num_attention_heads=cfg["heads"],
-                                       num_key_value_heads=cfg["kv_heads"])
-    target = jmf.bigram_lm(target_config, rank=cfg["bigram_rank"], sharpness=cfg["sharpness"],
-                           context_scale=cfg["context_scale"], silent_tokens=[mask], rngs=nnx.Rngs(cfg["seed"]))
+def build_target(cfg):
+    """The target: a Qwen3-style `bigram_lm` whose last token (the drafter's mask token) the bigram
+    never predicts."""
+    config = jmf.CausalLMConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"],
+                                intermediate_size=cfg["intermediate"], num_hidden_layers=cfg["target_layers"],
+                                num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+                                head_dim=cfg["head_dim"])
+    return jmf.bigram_lm(config, rank=cfg["bigram_rank"], sharpness=cfg["sharpness"],
+                         context_scale=cfg["context_scale"], silent_tokens=[mask_token(cfg)],
+                         rngs=nnx.Rngs(cfg["seed"]), param_dtype=jnp.dtype(cfg["dtype"]))
+
+
+def mask_token(cfg):
+    return cfg["vocab"] - 1  # a token the target never predicts much
+
+
+def build_drafters(cfg, target, block_size):
+    """A DSpark drafter of block size K for `target` (random backbone, head fitted by
+    `fit_markov_head`) and the drafters of the arms, which share its backbone: {"bf16 head": ...,
+    "int8 head": ...}. Returns (drafter, arms, fit_error)."""
     layers = cfg["target_layers"]
     drafter_config = jmf.DSparkConfig(
-        vocab_size=v, hidden_size=cfg["hidden"], intermediate_size=2 * cfg["hidden"], num_hidden_layers=1,
-        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"], mask_token_id=mask,
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["drafter_layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"], mask_token_id=mask_token(cfg),
         target_layer_ids=(0, layers // 2, layers - 1) if layers > 2 else tuple(range(layers)),
-        num_target_layers=layers, block_size=cfg["block_size"], markov_rank=cfg["markov_rank"],
-        markov_head_type="vanilla", dtype="float32")
+        num_target_layers=layers, block_size=block_size, markov_rank=cfg["markov_rank"],
+        markov_head_type="vanilla", dtype=cfg["dtype"])
     drafter = jmf.DSparkDrafter(drafter_config, rngs=nnx.Rngs(cfg["seed"] + 1))
-
-    # Fit the Markov head: the bias it should add after token v is the target's next-token logits
-    # after v (its bigram table, rows centred: a constant shift changes nothing) minus what the
-    # drafter's mask rows already predict; a truncated SVD at rank r gives W1 and W2.
-    @nnx.jit
-    def bigram_table(model):
-        return model(jnp.arange(v)[:, None], jnp.zeros(v, jnp.int32), model.init_cache(v, 1)).logits[:, 0]
-
-    @nnx.jit
-    def mask_rows(drafter, model, tokens):
-        b, s = tokens.shape
-        out = model(tokens, jnp.zeros(b, jnp.int32), model.init_cache(b, s), feature_layers=drafter.target_layer_ids)
-        ctx = drafter.extend_context(out.features, jnp.zeros(b, jnp.int32), drafter.init_context(b, s + 1))
-        hidden = drafter.hidden(tokens[:, -1], jnp.full(b, s - 1), ctx, embed=model.embed)
-        return jnp.mean(drafter.base_logits(hidden, unembed=model.unembed)[:, 1:], axis=(0, 1))
-
-    table = bigram_table(target)
-    sample = jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, v - 1)
-    bias = table - mask_rows(drafter, target, sample)[None, :]
-    bias = bias - bias.mean(axis=1, keepdims=True)
-    fit_error = drafter.markov_head.fit(bias)  # float32 fit
-
-    bf16 = jmf.MarkovHead(v, cfg["markov_rank"], param_dtype=jnp.bfloat16)  # as the released heads
+    # An untrained backbone that does no harm: its layers' output projections are scaled as
+    # `bigram_lm` scales the target's (std context_scale / sqrt(fan_in)), so that the block's rows keep
+    # what their input embedding says (the anchor's bigram on row 0, a constant on the mask rows)
+    # instead of random logits as large as the bigram's, which a layer of std 0.02 adds at a wide hidden size.
+    for layer in drafter.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            scale = cfg["context_scale"] / proj.in_features ** 0.5 / drafter_config.initializer_range
+            proj.weight[...] = (proj.weight[...].astype(jnp.float32) * scale).astype(proj.weight.dtype)
+    fit_error = fit_markov_head(target, drafter, cfg)
+    v, r = cfg["vocab"], cfg["markov_rank"]
+    bf16 = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16)  # as the released heads
     bf16.load_weights(drafter.markov_head.markov_w1[...], drafter.markov_head.markov_w2[...])
-    int8 = jmf.MarkovHead(v, cfg["markov_rank"], param_dtype=jnp.bfloat16, markov_quantization="int8")
+    int8 = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization="int8")
     int8.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])  # int8 W2 made once, here
     arms = {}
     for name, head in (("bf16 head", bf16), ("int8 head", int8)):
@@ -115,7 +117,55 @@ def build(cfg):
         nnx.update(d, nnx.state(drafter))  # same backbone
         d.markov_head = head
         arms[name] = d
-    return target, drafter, arms, fit_error
+    return drafter, arms, fit_error
+
+
+def fit_markov_head(target, drafter, cfg, chunk: int = 2048):
+    """Fit the drafter's Markov head; returns the relative Frobenius error of the rank-r truncation
+    (in float32, before the head rounds it to its dtype).
+
+    The bias the head should add after token u is the target's next-token logits after u (its bigram
+    table) minus what the drafter's mask rows already predict (their mean logits), rows centred (a
+    constant shift changes nothing); its best rank-r approximation gives W1 and W2. Both logits are
+    hidden states times the shared LM head W [V, H], so the bias is (Hs - h) (W - w)^T, with Hs [V, H]
+    the target's final hidden state after each single token, h the mask rows' mean hidden state and
+    w the mean row of W. Its truncated SVD comes from the QR factors of the two [V, H] matrices and
+    the SVD of an [H, H] matrix: the [V, V] table is never formed (at V = 151936 it would take 92 GB)."""
+    v, layers = cfg["vocab"], cfg["target_layers"]
+    lm_head = target.lm_head.weight[...]  # the target's LM head rounds its input to this dtype
+
+    @nnx.jit
+    def final_hidden(model, ids):  # [c] tokens, each alone at position 0
+        out = model(ids[:, None], jnp.zeros_like(ids), model.init_cache(ids.shape[0], 1), feature_layers=(layers - 1,))
+        return model.model.norm(out.features[:, 0]).astype(lm_head.dtype)
+
+    @nnx.jit
+    def mask_hidden(drafter, model, tokens):  # the mean hidden state of the mask rows after random contexts
+        b, s = tokens.shape
+        out = model(tokens, jnp.zeros(b, jnp.int32), model.init_cache(b, s), feature_layers=drafter.target_layer_ids)
+        ctx = drafter.extend_context(out.features, jnp.zeros(b, jnp.int32), drafter.init_context(b, s + 1))
+        hidden = drafter.hidden(tokens[:, -1], jnp.full(b, s - 1), ctx, embed=model.embed)
+        return jnp.mean(hidden[:, 1:].astype(lm_head.dtype).astype(jnp.float32), axis=(0, 1))
+
+    chunk = min(chunk, v)
+    ids = jnp.arange(-(-v // chunk) * chunk) % v  # whole chunks: one compiled shape
+    hidden = jnp.concatenate([final_hidden(target, ids[i:i + chunk]) for i in range(0, ids.shape[0], chunk)])[:v]
+    sample = jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, v - 1)
+    left = hidden.astype(jnp.float32) - mask_hidden(drafter, target, sample)[None, :]
+    right = lm_head.astype(jnp.float32)
+    right = right - jnp.mean(right, axis=0, keepdims=True)
+    q_left, r_left = jnp.linalg.qr(left)
+    q_right, r_right = jnp.linalg.qr(right)
+    highest = jax.lax.Precision.HIGHEST
+    u, s, wt = jnp.linalg.svd(jnp.matmul(r_left, r_right.T, precision=highest))
+    head = drafter.markov_head
+    rank = min(head.markov_rank, s.shape[0])
+    root = jnp.sqrt(s[:rank])
+    w1 = jnp.matmul(q_left, u[:, :rank], precision=highest) * root
+    w2 = jnp.matmul(q_right, wt[:rank].T, precision=highest) * root
+    pad = ((0, 0), (0, head.markov_rank - rank))  # zero columns where the hidden size is below the rank
+    head.load_weights(jnp.pad(w1, pad), jnp.pad(w2, pad) / head.logit_scale)
+    return float(jnp.sqrt(jnp.sum(s[rank:] ** 2) / jnp.sum(s ** 2)))
 
 
 def timed(fn, repeats):
@@ -163,7 +213,8 @@ def main(argv=None):
     args, cfg = parse_args(argv)
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
-    target, drafter, heads, fit_error = build(cfg)
+    target = build_target(cfg)
+    drafter, heads, fit_error = build_drafters(cfg, target, cfg["block_size"])
     print(f"Markov head fit by truncated SVD at rank {cfg['markov_rank']}: relative error {fit_error:.2e}")
     rng = np.random.default_rng(cfg["seed"] + 3)
     b, p, n = cfg["batch"], cfg["prompt_len"], cfg["new_tokens"]
@@ -236,9 +287,11 @@ def render(args, cfg, device, fit_error, rows):
         f"({cfg['kv_heads']} KV), vocabulary {cfg['vocab']}; its next-token logits are a rank-{cfg['bigram_rank']} "
         f"bigram (scale {cfg['sharpness']:g}) plus a context term from its layers (context scale "
         f"{cfg['context_scale']:g}) (`jax_markov.flax.bigram_lm`).",
-        f"- drafter: `DSparkDrafter`, 1 layer, block size K = {cfg['block_size']} "
+        f"- drafter: `DSparkDrafter`, {cfg['drafter_layers']} layer(s), block size K = {cfg['block_size']} "
         f"([anchor, mask x {cfg['block_size'] - 1}]), "
-        f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone.",
+        f"conditioned on the target's hidden states, sharing its embedding and LM head; random (untrained) backbone "
+        f"whose layers add little to the block's rows (output projections scaled like the target's: std "
+        f"{cfg['context_scale']:g} / sqrt(fan-in)).",
         f"- Markov head: rank r = {cfg['markov_rank']}, fit to the target's bigram table minus the drafter's mask-row "
         f"logits by a truncated SVD (relative error {fit_error:.2e}); the bf16 head rounds it to bfloat16, the "
         f"int8 head quantizes that W2 per row (docs/spec.md).",

@@ -1,0 +1,150 @@
+"""examples/speculative_decoding_gpu.py on its tiny configuration (any device; on the CPU its kernel
+arms run the CPU custom call), and the head fit it shares with examples/speculative_decoding.py:
+
+- the factored fit is the truncated SVD of the dense bias matrix that the toy example used to form;
+- a run writes a report whose every arm ran, whose greedy arms reproduce the target's greedy text,
+  whose verify-step parts and memory are measured; the greedy check finds a planted difference;
+- the summary counts the settings where the int8 kernel beats the eager walk and the published gain;
+- --merge joins runs over different settings and refuses runs that do not belong together.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples import speculative_decoding as toy
+from examples import speculative_decoding_gpu as gpu_example
+from jax_markov import flax as jmf
+from jax_markov import speculative as sp
+
+SETTINGS = ["3,2,greedy", "3,2,sampled"]
+
+
+def test_factored_fit_is_the_truncated_svd_of_the_dense_bias():
+    cfg = dict(gpu_example.TINY, dtype="float32", markov_rank=8)  # rank 8 < bigram rank 16: a real truncation
+    target = toy.build_target(cfg)
+    drafter, _, error = toy.build_drafters(cfg, target, 4)
+    v = cfg["vocab"]
+
+    # the dense bias as the toy example formed it: the bigram table minus the mask rows' mean logits,
+    # rows centred, from plain forwards
+    table = target(jnp.arange(v)[:, None], jnp.zeros(v, jnp.int32), target.init_cache(v, 1)).logits[:, 0]
+    sample = jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, v - 1)
+    out = target(sample, jnp.zeros(16, jnp.int32), target.init_cache(16, 16), feature_layers=drafter.target_layer_ids)
+    ctx = drafter.extend_context(out.features, jnp.zeros(16, jnp.int32), drafter.init_context(16, 17))
+    hidden = drafter.hidden(sample[:, -1], jnp.full(16, 15), ctx, embed=target.embed)
+    bias = table - jnp.mean(drafter.base_logits(hidden, unembed=target.unembed)[:, 1:], axis=(0, 1))[None, :]
+    bias = bias - bias.mean(axis=1, keepdims=True)
+    dense = jmf.MarkovHead(v, cfg["markov_rank"], param_dtype=jnp.float32)
+    dense_error = dense.fit(bias)
+
+    def product(head):
+        return np.asarray(head.markov_w1[...] @ head.markov_w2[...].T)
+
+    np.testing.assert_allclose(product(drafter.markov_head), product(dense), atol=2e-3 * float(jnp.max(jnp.abs(bias))))
+    assert 0.01 < error < 1 and error == pytest.approx(dense_error, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_example") / "tiny"
+    status = gpu_example.main(["--tiny", "--settings", *SETTINGS, "--repeats", "2", "--out", str(out)])
+    return status, out, json.loads(out.with_suffix(".json").read_text())
+
+
+def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_run):
+    status, out, report = tiny_run
+    assert status == 0
+    cfg = gpu_example.TINY
+    assert {gpu_example.row_key(r) for r in report["rows"]} == {
+        (3, 2, mode, arm) for mode in ("greedy", "sampled") for arm in ("target", *gpu_example.WALK_ARMS)}
+    v, r = cfg["vocab"], cfg["markov_rank"]
+    head_bytes = {"eager": 2 * v * r * 2, "kernel-bf16": 2 * v * r * 2, "kernel-int8": v * r * 2 + v * r + v * 4}
+    for row in report["rows"]:
+        assert len(row["seconds"]) == 2 and row["tokens_per_s"] > 0
+        assert row["tokens_per_s_range"][0] <= row["tokens_per_s"] <= row["tokens_per_s_range"][1]
+        if row["arm"] == "target":
+            assert row["iterations"] == cfg["new_tokens"] - 1  # one forward per token after the first
+            continue
+        assert 1.0 <= row["acceptance_length"] <= 4.0  # K = 3: at most 3 drafts + 1 per verify step
+        assert row["iterations"] < cfg["new_tokens"] - 1
+        if row["mode"] == "greedy":
+            assert row["divergences"] == []
+        else:
+            assert 0 < row["accepted"] <= row["drafted"]
+        assert set(row["parts_ms"]) == set(gpu_example.PARTS) and min(row["parts_ms"].values()) > 0
+        assert row["head_bytes"] == head_bytes[row["arm"]]
+        assert row["walk_scratch_bytes"] >= 0 and row["drafter_bytes"] > 0 and row["context_bytes"] > 0
+    text = out.with_suffix(".md").read_text()
+    assert "token for token: 3 of 3 greedy drafter arms" in text
+    assert text.count("identical to the target's greedy text") == 3
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_greedy_check_finds_a_difference_and_the_targets_margin_there():
+    cfg = dict(gpu_example.TINY)
+    target = toy.build_target(cfg)
+    prompt, lengths = gpu_example.prompts(cfg, 2)
+    reference = sp.target_decode(target, prompt, lengths, max_new_tokens=cfg["new_tokens"])
+    assert gpu_example.divergences(target, reference, reference) == []
+    tokens = np.array(reference.tokens)
+    position = cfg["prompt_len"] + 5
+    tokens[1, position] = (tokens[1, position] + 1) % cfg["vocab"]  # request 1 differs from its 6th new token on
+    found = gpu_example.divergences(target, reference._replace(tokens=jnp.asarray(tokens)), reference)
+    assert [(d["request"], d["new_token"]) for d in found] == [(1, 5)]
+    assert found[0]["logit_gap"] > 0  # the target prefers its own greedy token
+
+
+def row(k, b, mode, arm, tokens_per_s, ms_per_iteration):
+    return dict(block_size=k, batch=b, mode=mode, arm=arm, tokens_per_s=tokens_per_s,
+                ms_per_iteration=ms_per_iteration, divergences=[])
+
+
+def test_the_summary_counts_the_settings_above_the_eager_walk_and_the_published_gain():
+    rows = []
+    # (7, 1, greedy) published +4.3%: +5% is above; (16, 1, greedy) published +9.3%: +5% is below;
+    # (16, 16, sampled) has no published gain; (7, 16, greedy): the kernel is slower
+    for setting, gain in (((7, 1, "greedy"), 1.05), ((16, 1, "greedy"), 1.05), ((16, 16, "sampled"), 1.2),
+                          ((7, 16, "greedy"), 0.9)):
+        rows += [row(*setting, "eager", 100.0, 10.0), row(*setting, "kernel-int8", 100.0 * gain, 8.0)]
+    rows[-1]["divergences"] = [dict(request=0, new_token=3, logit_gap=0.0)]
+    lines = gpu_example.summary(rows)
+    assert "beat the eager walk's at 3 of 4 settings" in lines[0]
+    assert "more than the published gain at 1 of the 3 settings that have one" in lines[0]
+    assert "iterations were faster than the eager walk's at 4 of 4" in lines[0]
+    assert "5 of 6 greedy drafter arms" in lines[1]  # the eager and int8 arms of 3 greedy settings
+    gains = gpu_example.gains(rows)
+    assert gains[(7, 1, "greedy", "kernel-int8")]["gain"] == pytest.approx(5.0)
+    assert gains[(7, 1, "greedy", "kernel-int8")]["iteration_gain"] == pytest.approx(25.0)  # 10 ms -> 8 ms
+    assert gains[(7, 1, "greedy", "eager")] == dict(gain=0.0, iteration_gain=0.0, speedup=None)
+
+
+def test_merge_joins_settings_and_refuses_other_commits(tiny_run):
+    _, _, report = tiny_run
+    greedy = dict(report, rows=[r for r in report["rows"] if r["mode"] == "greedy"])
+    sampled = dict(report, rows=[r for r in report["rows"] if r["mode"] == "sampled"])
+    merged = gpu_example.merge_reports([greedy, sampled], "merge")
+    assert sorted(map(gpu_example.row_key, merged["rows"])) == sorted(map(gpu_example.row_key, report["rows"]))
+    assert len(merged["runs"]) == 2 and merged["merge_command"] == "merge"
+    assert "merged into one report by `merge`" in gpu_example.markdown(merged)
+    with pytest.raises(ValueError, match="commit"):
+        gpu_example.merge_reports([greedy, dict(sampled, commit="other")], "merge")
+
+
+def test_off_a_gpu_the_report_needs_a_name():
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("on a GPU the report is named after it")
+    with pytest.raises(SystemExit):
+        gpu_example.main(["--tiny"])
+
+
+def test_prompts_are_fixed_and_shared_across_batch_sizes():
+    one, _ = gpu_example.prompts(gpu_example.TINY, 1)
+    many, lengths = gpu_example.prompts(gpu_example.TINY, 16)
+    np.testing.assert_array_equal(one[0], many[0])
+    assert int(jnp.max(many)) < toy.mask_token(gpu_example.TINY) and lengths.shape == (16,)
