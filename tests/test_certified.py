@@ -216,3 +216,24 @@ def test_cuda_lowering_walks_a_certified_head_on_the_reference_and_refuses_ffi(r
     with pytest.raises(ValueError, match=r"impl='ffi' on cuda: the CUDA kernel does not walk a CertifiedMarkovHead"):
         lowered("ffi")
 
+
+def test_flax_head_int8_certified():
+    nnx = pytest.importorskip("flax.nnx")
+    import jax_markov.flax as jmf
+
+    v, r = 96, 16
+    module = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3), zero_w2=False, init_std=0.3,
+                            markov_quantization="int8-certified")
+    chead = module.head()
+    assert isinstance(chead, jax_markov.CertifiedMarkovHead)
+    np.testing.assert_array_equal(chead.w2, module.markov_w2[...])
+    want = jax_markov.quantize(jax_markov.MarkovHead(module.markov_w1[...], module.markov_w2[...]), certified=True)
+    np.testing.assert_array_equal(chead.quantized.q, want.quantized.q)
+    np.testing.assert_array_equal(chead.residual_norm, want.residual_norm)
+    rng = np.random.default_rng(4)
+    base = jnp.asarray(rng.normal(0, 1, (3, 4, v)), jnp.float32)
+    anchor = jnp.asarray(rng.integers(0, v, 3), jnp.int32)
+    np.testing.assert_array_equal(module.walk(base, anchor, impl="reference").tokens,
+                                  reference.walk(base, anchor, module.head().unquantized).tokens)
+    module.markov_quantization = "int8"
+    assert isinstance(module.head(), jax_markov.QuantizedMarkovHead) and module.markov_w2_residual_norm is None
