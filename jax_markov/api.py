@@ -16,7 +16,11 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
     base_logits: [B, K, V] block-drafter logits (bf16/f16/f32); row k predicts draft token k.
     anchor: [B] last committed (target-vocabulary) token of each request, any integer dtype; clamped
       into [0, V_target) in its own width.
-    head: a MarkovHead (float W2) or a QuantizedMarkovHead (int8 W2, see `quantize`).
+    head: a MarkovHead (float W2), a QuantizedMarkovHead (int8 W2, see `quantize`) or a
+      CertifiedMarkovHead (`quantize(head, certified=True)`): int8 W2 whose greedy rows choose exactly
+      what the unquantized head chooses with the same arguments, while sampled rows and the returned
+      logits (for every row) are the int8 head's (see CertifiedMarkovHead). Under jit on a CUDA device
+      the reference walks it (impl="ffi" is an error there: the kernel does not walk it yet).
     temperature: [B] float array, or any real scalar; 0 (or negative, or NaN) = greedy, +inf = uniform
       over the columns that are neither masked (-inf) nor padding; None = every row greedy.
     key: one PRNG key per request ([B] typed keys or [B, 2] uint32), required with temperature.
@@ -30,7 +34,7 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
     return_embeds: also return W1[prev_k], the confidence head's input.
     impl: "auto" (fastest supported), "reference" (pure JAX) or "ffi" (custom call, or an error).
     """
-    ops, params = arguments.normalize(
+    ops, certified, params = arguments.walk_arguments(
         base_logits, anchor, head, temperature=temperature, key=key, position=position,
         vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
         logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
@@ -45,7 +49,7 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
                              position=position, vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t,
                              return_logits=return_logits, logits_dtype=logits_dtype,
                              return_embeds=return_embeds, impl=impl)
-    return to_result(primitive.bind(ops, params), params)
+    return to_result(primitive.bind(ops, params, certified), params)
 
 
 def _explicit_batch_axes(base_logits) -> tuple:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .head import FLOAT_DTYPES, MarkovHead, QuantizedMarkovHead
+from .head import FLOAT_DTYPES, CertifiedMarkovHead, MarkovHead, QuantizedMarkovHead
 
 IMPLS = ("auto", "reference", "ffi")
 
@@ -33,6 +33,26 @@ class WalkOperands(NamedTuple):
     key: jax.Array  # [B, 2] uint32 Philox key words
     position: jax.Array  # [B] int32: the bits of Philox counter word 1 (uint32)(position)
     d2t: jax.Array  # [V] or [0] int32
+
+
+class CertifiedOperands(NamedTuple):
+    """What a CertifiedMarkovHead adds to the walk (operands 9 and 10 of the CPU custom call, passed
+    only for such a head; the CUDA custom call takes only the nine above): the unquantized W2 and the
+    residual norms of its rows, or two float32 [0] placeholders for any other head (the `markov_walk`
+    primitive always has all eleven operands)."""
+
+    w2_exact: jax.Array  # [V, r] bf16/f16/f32, or float32 [0]
+    residual_norm: jax.Array  # [V] or [0] float32
+
+
+def no_certificate() -> CertifiedOperands:
+    """The placeholders of a head that is not certified."""
+    return CertifiedOperands(jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+def is_certified(certified: CertifiedOperands) -> bool:
+    """Whether the operands (arrays or avals) are a certificate rather than the placeholders."""
+    return certified.w2_exact.ndim == 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +131,38 @@ def request_keys(key, batch: int):
     return key
 
 
-def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_size, logit_scale,
-              d2t, return_logits, logits_dtype, return_embeds, impl) -> tuple[WalkOperands, WalkParams]:
+def normalize(base_logits, anchor, head, **kw) -> tuple[WalkOperands, WalkParams]:
+    """`walk_arguments` for the entry points that walk a MarkovHead or a QuantizedMarkovHead only
+    (jax_markov.sharding.walk): a CertifiedMarkovHead is an error there, never walked as plain int8."""
+    if isinstance(head, CertifiedMarkovHead):
+        raise TypeError("head: jax_markov.sharding.walk (and jax_markov.walk with requests split over Explicit mesh "
+                        "axes, which takes it) does not walk a CertifiedMarkovHead yet; jax_markov.walk and "
+                        "jax_markov.reference.walk do. Pass head.quantized (int8) or head.unquantized here")
+    ops, _, params = walk_arguments(base_logits, anchor, head, **kw)
+    return ops, params
+
+
+def walk_arguments(base_logits, anchor, head, *, temperature, key, position, vocab_size, logit_scale, d2t,
+                   return_logits, logits_dtype, return_embeds,
+                   impl) -> tuple[WalkOperands, CertifiedOperands, WalkParams]:
+    """The checked, normalised arguments of `walk`: its operands, a CertifiedMarkovHead's certificate
+    (placeholders for any other head) and its static parameters."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    certified = no_certificate()
+    if isinstance(head, CertifiedMarkovHead):
+        if not isinstance(head.quantized, QuantizedMarkovHead):
+            raise TypeError(f"head.quantized of a CertifiedMarkovHead must be a QuantizedMarkovHead (see quantize), "
+                            f"got {type(head.quantized).__name__}")
+        w2_exact, norms = head.w2, head.residual_norm
+        if w2_exact.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES] or w2_exact.shape != head.quantized.q.shape:
+            raise ValueError(f"head.w2 of a CertifiedMarkovHead must be the unquantized W2, bfloat16/float16/float32 "
+                             f"{list(head.quantized.q.shape)} like q, got {w2_exact.dtype}{list(w2_exact.shape)}")
+        if norms.dtype != jnp.float32 or norms.shape != w2_exact.shape[:1]:
+            raise ValueError(f"head.residual_norm must be float32 [V] = {list(w2_exact.shape[:1])} (one bound per row "
+                             f"of W2), got {norms.dtype}{list(norms.shape)}")
+        certified = CertifiedOperands(w2_exact, norms)
+        head = head.quantized
     if isinstance(head, MarkovHead):
         w1, w2 = head.w1, head.w2
         w2_scale = jnp.zeros((0,), jnp.float32)
@@ -131,7 +179,8 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
         kind = type(head).__qualname__
         kind = kind if type(head).__module__ == "builtins" else f"{type(head).__module__}.{kind}"
         hint = " (a module: pass its .head(), or call its .walk)" if callable(getattr(head, "head", None)) else ""
-        raise TypeError(f"head must be a jax_markov.MarkovHead or a jax_markov.QuantizedMarkovHead, got {kind}{hint}")
+        raise TypeError(f"head must be a jax_markov.MarkovHead or a jax_markov.QuantizedMarkovHead, got {kind}{hint}. "
+                        f"A jax_markov.CertifiedMarkovHead (quantize(head, certified=True)) walks too")
     if w1.ndim != 2 or w1.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"head.w1 must be a [V_target, r] bfloat16/float16/float32 array, got {w1.dtype}{list(w1.shape)}")
     v_target, rank = w1.shape
@@ -206,7 +255,7 @@ def normalize(base_logits, anchor, head, *, temperature, key, position, vocab_si
     params = WalkParams(vocab_size=int(vocab_size), logit_scale=logit_scale, sampling=sampling,
                         return_logits=bool(return_logits), logits_dtype=logits_dtype,
                         return_embeds=bool(return_embeds), impl=impl)
-    return operands, params
+    return operands, certified, params
 
 
 def output_shapes(ops: WalkOperands, params: WalkParams):

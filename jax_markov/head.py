@@ -1,4 +1,5 @@
-"""The Markov head as pytrees: float weights, and the int8 layout every fast path reads."""
+"""The Markov head as pytrees: float weights, the int8 layout every fast path reads, and the certified
+int8 head (int8 plus what certifies its greedy choices against the float weights)."""
 from __future__ import annotations
 
 import dataclasses
@@ -91,14 +92,86 @@ class QuantizedMarkovHead:
                 f"total memory={_mib(self.nbytes)})")
 
 
-def quantize(head: MarkovHead) -> QuantizedMarkovHead:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, repr=False)
+class CertifiedMarkovHead:
+    """An int8 head that keeps what certifies its greedy choices: the unquantized W2 and, per row, an
+    upper bound of the norm of its quantization residual, residual_norm[v] >= ||W2[v] - scale[v] q[v]||_2.
+    Build it with `quantize(head, certified=True)`, which derives every field from one MarkovHead (the
+    walk trusts that they agree).
+
+    The walk of this head:
+    - greedy rows choose the token the unquantized head's walk (`unquantized`) chooses with the same
+      arguments: the docs/spec.md choice (lowest index of the maximum, the first NaN) over
+      l = f32(base) + logit_scale * (W2 @ e) of the unquantized W2, padding and -inf masking as
+      always, rounded to logits_dtype first when logits are returned. The CPU custom call scores every
+      column with int8 W2 and re-scores exactly, from the unquantized rows, only the columns whose int8
+      logit plus its error bound reaches the best int8 logit minus its bound (ffi/cpu/certified.h);
+    - sampled rows are the int8 walk's (`quantized`): scores from the int8 logits, as docs/spec.md;
+    - the returned logits are the int8 logits for every row, greedy ones included (rejection sampling
+      needs the distribution that sampled rows drew from); embeds, d2t, vocab_size and logit_scale
+      mean what they mean for any head (the bound scales with |logit_scale|).
+    The reference computes both biases in full; on a GPU the reference walks this head (the CUDA
+    kernel does not yet), and jax_markov.sharding.walk refuses it.
+    """
+
+    quantized: QuantizedMarkovHead
+    w2: jax.Array  # [V, r] the unquantized W2 (bf16/f16/f32), the array the MarkovHead held
+    residual_norm: jax.Array  # [V] float32
+
+    @property
+    def w1(self) -> jax.Array:
+        return self.quantized.w1
+
+    @property
+    def rank(self) -> int:
+        return self.quantized.rank
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.quantized.draft_vocab
+
+    @property
+    def target_vocab(self) -> int:
+        return self.quantized.target_vocab
+
+    @property
+    def unquantized(self) -> MarkovHead:
+        """The MarkovHead whose greedy choices this head reproduces."""
+        return MarkovHead(self.w1, self.w2)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quantized.nbytes + self.w2.nbytes + self.residual_norm.nbytes
+
+    def __repr__(self):
+        q = self.quantized
+        int8_bytes = q.q.nbytes + q.scale.nbytes
+        return (f"CertifiedMarkovHead(w1={self.w1.dtype}{list(self.w1.shape)}, q=int8{list(q.q.shape)}, "
+                f"scale=float32[{q.scale.shape[0]}], residual_norm=float32[{self.residual_norm.shape[0]}], "
+                f"w2={self.w2.dtype}{list(self.w2.shape)}, int8 w2 memory={_mib(int8_bytes)}, "
+                f"certificate memory={_mib(self.w2.nbytes + self.residual_norm.nbytes)}, "
+                f"total memory={_mib(self.nbytes)})")
+
+
+def quantize(head, *, certified: bool = False) -> QuantizedMarkovHead | CertifiedMarkovHead:
     """int8 W2 with one fp32 scale per row, exactly as docs/spec.md: scale = max|row| / 127
     (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127].
 
+    certified=True returns a CertifiedMarkovHead: the int8 head plus the unquantized W2 (the same
+    array, not a copy) and each row's residual norm, whose greedy rows choose what the unquantized
+    head chooses. quantize(h) of a QuantizedMarkovHead is h; of a CertifiedMarkovHead, its int8 head.
+
     int8 cannot hold a NaN or an infinity: called eagerly, a W2 with such values is an error naming
     their rows; under a transformation (jit, vmap), where the values are not known, such a row gets
-    a NaN scale (and q = 0), so that the int8 head's bias of that row is NaN, as the float head's is."""
+    a NaN scale (and q = 0), so that the int8 head's bias of that row is NaN, as the float head's is
+    (and a NaN residual norm: the certified walk always re-scores that row exactly)."""
+    if isinstance(head, CertifiedMarkovHead):
+        return head if certified else head.quantized
     if isinstance(head, QuantizedMarkovHead):
+        if certified:
+            raise TypeError("quantize(certified=True) needs the MarkovHead: a QuantizedMarkovHead no longer has "
+                            "the unquantized W2 that certifies its greedy choices")
         return head
     if not isinstance(head, MarkovHead):
         raise TypeError(f"quantize expects a MarkovHead, got {type(head).__name__}")
@@ -123,4 +196,25 @@ def quantize(head: MarkovHead) -> QuantizedMarkovHead:
     divisor = lax.optimization_barrier(jnp.broadcast_to(scale[:, None], w2.shape))
     q = jnp.clip(jnp.round(w2 / divisor), -127, 127).astype(jnp.int8)
     q = jnp.where(finite[:, None], q, jnp.int8(0))
-    return QuantizedMarkovHead(w1=head.w1, q=q, scale=jnp.where(finite, scale, jnp.float32(jnp.nan)))
+    scale = jnp.where(finite, scale, jnp.float32(jnp.nan))
+    quantized = QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)
+    if not certified:
+        return quantized
+    return CertifiedMarkovHead(quantized=quantized, w2=head.w2, residual_norm=residual_norm(w2, q, scale, amax))
+
+
+def residual_norm(w2, q, scale, amax):
+    """An upper bound of ||W2[v] - scale[v] q[v]||_2 per row, from W2 [V, r] in float32.
+
+    The residual and its norm are computed in fp32, so the computed norm is inflated to cover their
+    roundings: each residual element is off by at most 2^-24 (|residual| + 1.01 max|row|) (the product
+    scale q and the difference each round once), the sum of r squares and the root by at most
+    (r + 6) 2^-24 relative; and by flushed underflows (a square or a residual below 2^-126 read as
+    0), at most sqrt(r) 2^-62 in all. NaN for a row holding NaN or infinities (NaN scale)."""
+    rank = w2.shape[1]
+    residual = w2 - scale[:, None] * q.astype(jnp.float32)
+    computed = jnp.sqrt(jnp.sum(residual * residual, axis=1))
+    relative = np.float32(1.0 + (rank + 8) * 2.0**-24)
+    per_amax = np.float32(2.0**-21 * 1.01 * np.sqrt(rank))  # >= 1.01 * 2^-24 sqrt(r), with room for its own roundings
+    underflow = np.float32(2.0**-62 * np.sqrt(rank))
+    return computed * relative + amax * per_amax + underflow

@@ -2,7 +2,8 @@
 
 cpu  -> the C++ custom call when built, else the reference;
 cuda -> the cooperative sm_90 kernel when the configuration fits it (for impl="auto" with an
-        unquantized head, up to native.CUDA_FLOAT_W2_AUTO_MAX_BATCH requests), else the reference;
+        unquantized head, up to native.CUDA_FLOAT_W2_AUTO_MAX_BATCH requests; never a
+        CertifiedMarkovHead), else the reference;
 any other platform -> the reference (`mlir.lower_fun` of reference.walk_operands).
 Under jit on a mesh the custom call is partitioned along the requests (custom_partitioning): each
 device walks its own rows.
@@ -43,15 +44,26 @@ def vary_like(x, *others):
     return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
-def bind(ops: arguments.WalkOperands, params: arguments.WalkParams):
+# The primitive's operands: the walk's nine, then a CertifiedMarkovHead's two (placeholders otherwise).
+_WALK_OPERANDS = len(arguments.WalkOperands._fields)
+_OPERAND_NAMES = arguments.WalkOperands._fields + arguments.CertifiedOperands._fields
+
+
+def _split(args) -> tuple[arguments.WalkOperands, arguments.CertifiedOperands]:
+    return arguments.WalkOperands(*args[:_WALK_OPERANDS]), arguments.CertifiedOperands(*args[_WALK_OPERANDS:])
+
+
+def bind(ops: arguments.WalkOperands, params: arguments.WalkParams,
+         certified: arguments.CertifiedOperands | None = None):
+    operands = [*ops, *(arguments.no_certificate() if certified is None else certified)]
     # Inside shard_map all operands are made to vary over the same mesh axes; the results then
     # vary over them too (the abstract eval keeps base_logits' type).
-    ops = [vary_like(x, *ops) for x in ops]
-    return markov_walk_p.bind(*ops, params=params)
+    operands = [vary_like(x, *operands) for x in operands]
+    return markov_walk_p.bind(*operands, params=params)
 
 
 def _abstract_eval(*avals, params):
-    ops = arguments.WalkOperands(*avals)
+    ops, _ = _split(avals)
     return [avals[0].update(shape=s.shape, dtype=s.dtype, weak_type=False)
             for s in arguments.output_shapes(ops, params)]
 
@@ -60,13 +72,17 @@ markov_walk_p.def_abstract_eval(_abstract_eval)
 
 
 def _reference_rule(ctx, *args, params):
-    impl = lambda *a: reference.walk_operands(arguments.WalkOperands(*a), params)
+    def impl(*a):
+        ops, certified = _split(a)
+        return reference.walk_operands(ops, params, certified)
+
     return mlir.lower_fun(impl, multiple_results=True)(ctx, *args)
 
 
 def _ffi_call(params, *ops):
-    """The custom call on operands as its device holds them (all of them, or its own rows)."""
-    shapes = arguments.output_shapes(arguments.WalkOperands(*ops), params)
+    """The custom call on operands as its device holds them (all of them, or its own rows): the
+    walk's nine, and a CertifiedMarkovHead's two after them (the CPU target only)."""
+    shapes = arguments.output_shapes(arguments.WalkOperands(*ops[:_WALK_OPERANDS]), params)
     return jax.ffi.ffi_call(native.TARGET, shapes)(
         *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale),
         sampling=bool(params.sampling))
@@ -76,8 +92,9 @@ def _ffi_call(params, *ops):
 # jit on a mesh the call is wrapped in custom_partitioning, whose rule lets only the requests (factor
 # "b") be split: each device walks its own rows with the whole head, and anything split otherwise
 # (a vocabulary-split head or base logits) is gathered first. [0] placeholders get factors of their own.
-_FACTORS = arguments.WalkOperands(base_logits="b k v", anchor="b", w1="t r", w2="v r", w2_scale="v",
-                                  temperature="b", key="b w", position="b", d2t="v")
+_FACTORS = (*arguments.WalkOperands(base_logits="b k v", anchor="b", w1="t r", w2="v r", w2_scale="v",
+                                    temperature="b", key="b w", position="b", d2t="v"),
+            *arguments.CertifiedOperands(w2_exact="v r", residual_norm="v"))
 _OUTPUT_FACTORS = ("b k", "b k v", "b k r")
 _PER_REQUEST = ("base_logits", "anchor", "temperature", "key", "position")
 
@@ -100,7 +117,8 @@ def _shardings(mesh, arg_shapes, result_shape):
     and the placeholders replicated."""
     base = arg_shapes[0].sharding  # None where GSPMD does not know it yet
     rows = None if base is None else base.spec[0]
-    args = tuple(NamedSharding(mesh, P(rows) if f in _PER_REQUEST else P()) for f in arguments.WalkOperands._fields)
+    args = tuple(NamedSharding(mesh, P(rows) if f in _PER_REQUEST else P())
+                 for f in _OPERAND_NAMES[:len(arg_shapes)])
     return args, tuple(NamedSharding(mesh, P() if x.shape == (0,) else P(rows)) for x in result_shape)
 
 
@@ -122,14 +140,15 @@ _partitioned_ffi_call.def_partition(_partition, infer_sharding_from_operands=_in
 dispatch.prim_requires_devices_during_lowering.add(markov_walk_p)
 
 
-def _ffi_rule(ctx, *args, params):
+def _ffi_rule(ctx, *args, params, operands):
+    """The custom call on the first `operands` operands (the certificate's placeholders are not passed)."""
     axis_context = ctx.module_context.axis_context
     # jit over a mesh: partitioned per device. Inside shard_map the operands are the device's own
     # already, and without a mesh custom_partitioning could not name the split: the plain call.
     if isinstance(axis_context, ShardingContext) and axis_context.abstract_mesh is not None:
-        call = functools.partial(_partitioned_ffi_call, params)
+        call = lambda *a: _partitioned_ffi_call(params, *a[:operands])
     else:
-        call = functools.partial(_ffi_call, params)
+        call = lambda *a: _ffi_call(params, *a[:operands])
     return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
 
@@ -141,11 +160,18 @@ def _cpu_rule(ctx, *args, params):
             raise RuntimeError("impl='ffi': the jax_markov CPU module is not built; reinstall the package "
                                "(pip install .) or use impl='auto'")
         return _reference_rule(ctx, *args, params=params)
-    return _ffi_rule(ctx, *args, params=params)
+    certified = arguments.is_certified(_split(ctx.avals_in)[1])
+    return _ffi_rule(ctx, *args, params=params, operands=len(_OPERAND_NAMES) if certified else _WALK_OPERANDS)
 
 
 def _cuda_rule(ctx, *args, params):
     if params.impl == "reference":
+        return _reference_rule(ctx, *args, params=params)
+    if arguments.is_certified(_split(ctx.avals_in)[1]):
+        if params.impl == "ffi":
+            raise ValueError("impl='ffi' on cuda: the CUDA kernel does not walk a CertifiedMarkovHead yet (its greedy "
+                             "rows' exact re-scoring is in the reference and the CPU custom call only); use "
+                             "impl='auto' (the reference on cuda) or walk head.quantized")
         return _reference_rule(ctx, *args, params=params)
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
@@ -154,7 +180,7 @@ def _cuda_rule(ctx, *args, params):
                                             sampling=params.sampling)
     if reason is None and (params.impl == "ffi" or
                            native.cuda_auto_declines(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype) is None):
-        return _ffi_rule(ctx, *args, params=params)
+        return _ffi_rule(ctx, *args, params=params, operands=_WALK_OPERANDS)
     if params.impl == "ffi":
         raise ValueError(f"impl='ffi' on cuda: {reason}")
     return _reference_rule(ctx, *args, params=params)
@@ -179,40 +205,35 @@ def _no_jvp(primals, tangents, *, params):
 
 ad.primitive_jvps[markov_walk_p] = _no_jvp
 
-_HEAD_FIELDS = ("w1", "w2", "w2_scale", "d2t")
-
-
 def _batch_rule(args, dims, *, params):
     """vmap over an extra leading axis. With one head for all mapped elements the mapped axis
-    folds into the request batch (one walk, no copies of the head); a mapped head walks each
-    element in turn with lax.map."""
-    ops = arguments.WalkOperands(*args)
-    in_dims = arguments.WalkOperands(*dims)
+    folds into the request batch (one walk, no copies of the head); a mapped head (any other
+    operand mapped) walks each element in turn with lax.map."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = arguments.WalkOperands(*[
-        a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(ops, in_dims)])
-    if any(getattr(in_dims, f) is not None for f in _HEAD_FIELDS):
-        mapped = [d is not None for d in in_dims]
+    moved = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    mapped = [d is not None for d in dims]
+    if any(m for name, m in zip(_OPERAND_NAMES, mapped) if name not in _PER_REQUEST):
         xs = [a for a, m in zip(moved, mapped) if m]
 
         def one(x_list):
             it = iter(x_list)
-            full = [next(it) if m else a for a, m in zip(moved, mapped)]
-            return bind(arguments.WalkOperands(*full), params)
+            ops, certified = _split([next(it) if m else a for a, m in zip(moved, mapped)])
+            return bind(ops, params, certified)
 
         outs = lax.map(one, xs)
         return list(outs), [0, 0, 0]
 
-    batch = moved.base_logits.shape[0 if in_dims.base_logits is None else 1]
+    base_dim = dims[_OPERAND_NAMES.index("base_logits")]
+    batch = moved[0].shape[0 if base_dim is None else 1]
 
     def fold(x, d):  # [size, B, ...] -> [size * B, ...]
         if d is None:
             x = jax.numpy.broadcast_to(x, (size, *x.shape))
         return x.reshape(size * batch, *x.shape[2:])
 
-    per_request = ("base_logits", "anchor", "temperature", "key", "position")
-    folded = moved._replace(**{f: fold(getattr(moved, f), getattr(in_dims, f)) for f in per_request})
-    tokens, logits, embeds = bind(folded, params)
+    folded = [fold(a, d) if name in _PER_REQUEST else a for name, a, d in zip(_OPERAND_NAMES, moved, dims)]
+    ops, certified = _split(folded)
+    tokens, logits, embeds = bind(ops, params, certified)
     unfold = lambda x: x if x.shape == (0,) else x.reshape(size, batch, *x.shape[1:])
     outs = [unfold(tokens), unfold(logits), unfold(embeds)]
     return outs, [None if o.shape == (0,) else 0 for o in outs]

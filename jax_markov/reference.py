@@ -87,39 +87,52 @@ def gumbel_max_score(logits, inv_t, noise):
 
 
 def step_scorer(start, count: int, temperature, key, position, params: arguments.WalkParams):
-    """f(logits, k) -> (l_k, score) of docs/spec.md for the `count` columns from global vocabulary index
-    `start` (an int, or traced in a vocabulary shard): padding -inf, l_k rounded to logits_dtype when
-    logits are asked for, and the score chosen from (l_k for greedy rows, `gumbel_max_score` for
-    sampled rows)."""
+    """f(logits, k, greedy_logits=None) -> (l_k, score) of docs/spec.md for the `count` columns from
+    global vocabulary index `start` (an int, or traced in a vocabulary shard): padding -inf, l_k
+    rounded to logits_dtype when logits are asked for, and the score chosen from (l_k for greedy rows,
+    `gumbel_max_score` for sampled rows). greedy_logits (a CertifiedMarkovHead's unquantized l_k) gives
+    greedy rows their scores instead, padded and rounded alike."""
     valid = start + jnp.arange(count, dtype=jnp.int32) < params.vocab_size
     sampled = temperature > 0
     inv_t = jnp.where(sampled, jnp.float32(1.0) / jnp.where(sampled, temperature, 1.0), 0.0)
 
-    def scores(logits, k):
+    def visible(logits):
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         if params.return_logits:
             # The barrier keeps the rounding: XLA's GPU backend otherwise drops a narrowing convert
             # followed by a widening one (excess precision) and would choose from the fp32 l_k.
             rounded = lax.optimization_barrier(logits.astype(params.logits_dtype))
             logits = rounded.astype(jnp.float32)
+        return logits
+
+    def scores(logits, k, greedy_logits=None):
+        logits = visible(logits)
+        greedy = logits if greedy_logits is None else visible(greedy_logits)
         if not params.sampling:
-            return logits, logits
+            return logits, greedy
         noise = gumbel_noise_range((key[:, 0], key[:, 1]), start, count, position + k)
-        return logits, jnp.where(sampled[:, None], gumbel_max_score(logits, inv_t[:, None], noise), logits)
+        return logits, jnp.where(sampled[:, None], gumbel_max_score(logits, inv_t[:, None], noise), greedy)
 
     return scores
 
 
-def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams):
-    """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says."""
+def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams,
+                  certified: arguments.CertifiedOperands):
+    """The walk on normalised operands; returns (tokens, logits, embeds) as `output_shapes` says.
+
+    With a certificate (a CertifiedMarkovHead; placeholders otherwise) greedy rows choose from the
+    unquantized W2's l_k and everything else (sampled rows, the logits returned) is the int8 head's."""
     base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
+    exact_w2 = certified.w2_exact if arguments.is_certified(certified) else None
     v_target = w1.shape[0]
     scores = step_scorer(0, base.shape[2], temperature, key, position, params)
 
     def step(prev, xs):
         base_k, k = xs
         e = lookup_rows(w1, jnp.clip(prev, 0, v_target - 1))
-        logits, score = scores(base_k.astype(jnp.float32) + markov_bias(e, w2, w2_scale, params.logit_scale), k)
+        base_k = base_k.astype(jnp.float32)
+        exact = None if exact_w2 is None else base_k + markov_bias(e, exact_w2, None, params.logit_scale)
+        logits, score = scores(base_k + markov_bias(e, w2, w2_scale, params.logit_scale), k, exact)
         token = spec_argmax(score)
         if d2t.shape[0]:
             token = token + d2t[token]
@@ -149,8 +162,8 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
     """The DSpark Markov walk in pure JAX; same signature and results as `jax_markov.walk`."""
     if impl != "reference":
         raise ValueError(f"jax_markov.reference.walk only implements impl='reference', got {impl!r}")
-    ops, params = arguments.normalize(
+    ops, certified, params = arguments.walk_arguments(
         base_logits, anchor, head, temperature=temperature, key=key, position=position,
         vocab_size=vocab_size, logit_scale=logit_scale, d2t=d2t, return_logits=return_logits,
         logits_dtype=logits_dtype, return_embeds=return_embeds, impl=impl)
-    return to_result(_walk_operands_jit(ops, params), params)
+    return to_result(_walk_operands_jit(ops, params, certified), params)

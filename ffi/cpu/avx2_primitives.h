@@ -47,6 +47,16 @@ MARKOV_AVX2_INLINE void DotTile(const float* __restrict w, const float* __restri
       _mm_storeu_ps(out + b * out_stride + g, Reduce4(acc[g][b], acc[g + 1][b], acc[g + 2][b], acc[g + 3][b]));
 }
 
+// The dot of one row with one request, in DotTile's order (8 lanes over j, then Reduce4's tree): the
+// same bits as that row's dot in any tile.
+MARKOV_AVX2_INLINE float DotRow(const float* __restrict w, const float* __restrict e, int64_t r8) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < r8; j += 8) acc = _mm256_fmadd_ps(_mm256_load_ps(w + j), _mm256_load_ps(e + j), acc);
+  const __m256 pairs = _mm256_hadd_ps(acc, acc);     // (l0+l1), (l2+l3) | (l4+l5), (l6+l7)
+  const __m256 quads = _mm256_hadd_ps(pairs, pairs);  // ((l0+l1)+(l2+l3)) | ((l4+l5)+(l6+l7))
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
 template <typename BaseT>
 MARKOV_AVX2_INLINE __m256 LoadBase8(const BaseT* p);
 template <>

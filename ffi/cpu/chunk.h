@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
 
 #include "cpu/isa.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,14 +24,17 @@ constexpr int kPrefetchTiles = 4;  // how far ahead W2 is prefetched, in tiles
 
 struct Problem {
   int64_t batch, steps, vocab, rank, rank8, vocab_size, v_target;
-  ffi::DataType base_t, w1_t, w2_t, logits_t;
+  ffi::DataType base_t, w1_t, w2_t, logits_t, w2_exact_t;
   bool int8, want_logits, want_embeds, has_d2t;
+  bool certified;  // a CertifiedMarkovHead: greedy rows re-score their candidates (certified.h)
   float logit_scale;
   const void* base;
   const int32_t* anchor;
   const void* w1;
   const void* w2;
   const float* w2_scale;
+  const void* w2_exact;        // [V, r] the unquantized W2 (certified only)
+  const float* residual_norm;  // [V] (certified only)
   const float* temperature;
   const uint32_t* key;
   const int32_t* position;
@@ -40,6 +44,8 @@ struct Problem {
   void* embeds;
 };
 
+struct CertifiedBound;  // certified.h
+
 struct Step {
   int64_t k;
   const float* e;          // [B][rank8] scaled by Headroom, zero padded, 64-byte aligned
@@ -48,6 +54,8 @@ struct Step {
   const uint8_t* sampled;  // [B]
   int64_t chunk_rows, num_chunks;
   uint64_t* keys;  // [num_chunks][B]
+  const CertifiedBound* bounds;  // [B] each greedy request's bound (certified only)
+  int32_t* rescored;             // [num_chunks][B] rows each chunk re-scored (certified only)
 };
 
 // Aligned scratch memory.
@@ -70,6 +78,8 @@ struct Scratch {
   AlignedFloats w;     // [kTileRows][r8] one tile of W2 rows in fp32
   AlignedFloats dots;  // [B][chunk_rows] dots of the chunk
   AlignedFloats l;     // [chunk_rows] logits of one request
+  std::vector<int32_t> keep;  // [chunk_rows] which rows a certified greedy request keeps (certified.h)
+  std::vector<int32_t> cand;  // [chunk_rows] their indices
 };
 
 // The largest Gumbel noise GumbelNoise can return (u = 1 - 2^-24, from the word 0xFFFFFFFF, whichever

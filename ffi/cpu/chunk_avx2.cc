@@ -9,6 +9,7 @@
 
 #include "common/walk_common.h"
 #include "cpu/avx2_primitives.h"
+#include "cpu/certified.h"
 #include "cpu/chunk.h"
 #include "cpu/headroom.h"
 #include "cpu/values.h"
@@ -18,55 +19,56 @@ namespace cpu {
 namespace avx2 {
 namespace {
 
+// Row `row` of a [V, r] W2 of type t (int8 or a float type) to fp32, zero padded to rank8.
+MARKOV_AVX2_INLINE void ConvertRow(const Problem& p, const void* w2, ffi::DataType t, int64_t row, float* __restrict dst) {
+  const int64_t r = p.rank, r8 = p.rank8, full = r & ~int64_t{7};
+  int64_t j = 0;
+  switch (t) {
+    case ffi::DataType::S8: {
+      const int8_t* src = static_cast<const int8_t*>(w2) + row * r;
+      for (; j + 16 <= full; j += 16) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+        _mm256_store_ps(dst + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        _mm256_store_ps(dst + j + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+      }
+      for (; j < r; ++j) dst[j] = static_cast<float>(src[j]);
+      break;
+    }
+    case ffi::DataType::BF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(w2) + row * r;
+      for (; j < full; j += 8) {
+        const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
+        _mm256_store_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+      }
+      for (; j < r; ++j) dst[j] = Bf16ToF32(src[j]);
+      break;
+    }
+    case ffi::DataType::F16: {
+      const uint16_t* src = static_cast<const uint16_t*>(w2) + row * r;
+      for (; j < full; j += 8) {
+        _mm256_store_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+      }
+      for (; j < r; ++j) dst[j] = F16ToF32(src[j]);
+      break;
+    }
+    default: {
+      const float* src = static_cast<const float*>(w2) + row * r;
+      for (; j < full; j += 8) _mm256_store_ps(dst + j, _mm256_loadu_ps(src + j));
+      for (; j < r; ++j) dst[j] = src[j];
+    }
+  }
+  for (j = r; j < r8; ++j) dst[j] = 0.0f;
+}
+
 // Rows [v, v + count) of W2 to fp32 rows of rank8 floats (count <= kTileRows). Missing rows of
 // the tile repeat the last one (their dots are computed and discarded).
 MARKOV_AVX2_FN void ConvertTile(const Problem& p, int64_t v, int64_t count, float* __restrict out) {
-  const int64_t r = p.rank, r8 = p.rank8, full = r & ~int64_t{7};
   // Prefetch the rows kPrefetchTiles tiles ahead (prefetches never fault, even past the end), so
   // that memory streams while the dots of this tile run.
-  const size_t row_bytes = static_cast<size_t>(r) * ElementBytes(p.w2_t);
+  const size_t row_bytes = static_cast<size_t>(p.rank) * ElementBytes(p.w2_t);
   const char* ahead = static_cast<const char*>(p.w2) + (v + kPrefetchTiles * kTileRows) * row_bytes;
   for (size_t off = 0; off < kTileRows * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-  for (int64_t t = 0; t < kTileRows; ++t) {
-    const int64_t row = v + std::min(t, count - 1);
-    float* dst = out + t * r8;
-    int64_t j = 0;
-    switch (p.w2_t) {
-      case ffi::DataType::S8: {
-        const int8_t* src = static_cast<const int8_t*>(p.w2) + row * r;
-        for (; j + 16 <= full; j += 16) {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
-          _mm256_store_ps(dst + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-          _mm256_store_ps(dst + j + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
-        }
-        for (; j < r; ++j) dst[j] = static_cast<float>(src[j]);
-        break;
-      }
-      case ffi::DataType::BF16: {
-        const uint16_t* src = static_cast<const uint16_t*>(p.w2) + row * r;
-        for (; j < full; j += 8) {
-          const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
-          _mm256_store_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-        }
-        for (; j < r; ++j) dst[j] = Bf16ToF32(src[j]);
-        break;
-      }
-      case ffi::DataType::F16: {
-        const uint16_t* src = static_cast<const uint16_t*>(p.w2) + row * r;
-        for (; j < full; j += 8) {
-          _mm256_store_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-        }
-        for (; j < r; ++j) dst[j] = F16ToF32(src[j]);
-        break;
-      }
-      default: {
-        const float* src = static_cast<const float*>(p.w2) + row * r;
-        for (; j < full; j += 8) _mm256_store_ps(dst + j, _mm256_loadu_ps(src + j));
-        for (; j < r; ++j) dst[j] = src[j];
-      }
-    }
-    for (j = r; j < r8; ++j) dst[j] = 0.0f;
-  }
+  for (int64_t t = 0; t < kTileRows; ++t) ConvertRow(p, p.w2, p.w2_t, v + std::min(t, count - 1), out + t * p.rank8);
 }
 
 // Dots of one converted tile (kTileRows rows) with every request; writes dots[b * stride + i].
@@ -194,6 +196,24 @@ MARKOV_AVX2_FN uint64_t GreedyArgmax(const float* __restrict l, int64_t n, int64
   return PackArgmaxKey(l[0], static_cast<uint32_t>(v0));  // unreachable
 }
 
+// A certified greedy request's key over its candidates (chunk-local rows cand[0, count) of the chunk
+// from v0): each re-scored from the unquantized W2 exactly as a float head's walk scores it (the same
+// conversion, dot (DotRow: DotTile's bits), scale back, fma and rounding), PackArgmaxKey(-inf, v0)
+// where there is none. w: a row of scratch.
+MARKOV_AVX2_FN uint64_t ExactKey(const Problem& p, const Step& s, int64_t b, int64_t v0, const int32_t* cand,
+                                 int64_t count, const char* base, float* w) {
+  uint64_t best = PackArgmaxKey(kNegInf, static_cast<uint32_t>(v0));
+  const float* up = s.up + 2 * b;
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t i = cand[c];
+    ConvertRow(p, p.w2_exact, p.w2_exact_t, v0 + i, w);
+    const float d = DotRow(w, s.e + b * p.rank8, p.rank8) * up[0] * up[1];
+    const float l = std::fma(p.logit_scale, d, LoadAsF32(base, p.base_t, i));
+    best = std::max(best, PackArgmaxKey(p.want_logits ? RoundTo(l, p.logits_t) : l, static_cast<uint32_t>(v0 + i)));
+  }
+  return best;
+}
+
 }  // namespace
 
 MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scratch) {
@@ -205,6 +225,10 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
   float* w = scratch.w.Get(kTileRows * p.rank8);
   float* dots = scratch.dots.Get(B * cr + kTileRows);
   float* lbuf = scratch.l.Get(cr);
+  if (p.certified) {
+    scratch.keep.resize(cr);
+    scratch.cand.resize(cr);
+  }
   for (int64_t t = 0; t < n; t += kTileRows) {
     ConvertTile(p, v0 + t, std::min<int64_t>(kTileRows, n - t), w);
     TileDots(w, s.e, B, p.rank8, dots + t, cr);
@@ -234,15 +258,23 @@ MARKOV_AVX2_FN void ProcessChunk(const Problem& p, const Step& s, int64_t chunk,
       for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar(kNegInf, p.logits_t, out, i);
     }
     uint64_t best = 0;
+    int32_t rescored = 0;
     if (n > 0) {
       if (s.sampled[b]) {
         best = SampledArgmax8(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
                               static_cast<uint32_t>(p.position[b]) + static_cast<uint32_t>(s.k));
       } else {
         best = GreedyArgmax(lbuf, n, v0);
+        if (p.certified) {  // the int8 best anchors the filter; the exact best of the candidates is kept
+          const int64_t anchor = static_cast<int64_t>(ArgmaxKeyIndex(best)) - v0;
+          rescored = static_cast<int32_t>(
+              CertifiedCandidates(p, s.bounds[b], base, d, v0, n, anchor, scratch.keep.data(), scratch.cand.data()));
+          best = ExactKey(p, s, b, v0, scratch.cand.data(), rescored, base, w);
+        }
       }
     }
     s.keys[chunk * B + b] = best;
+    if (p.certified) s.rescored[chunk * B + b] = rescored;
   }
 }
 

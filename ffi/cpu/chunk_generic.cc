@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/walk_common.h"
+#include "cpu/certified.h"
 #include "cpu/chunk.h"
 #include "cpu/headroom.h"
 #include "cpu/values.h"
@@ -47,27 +48,27 @@ inline uint64_t SampledArgmax(const float* l, int64_t n, int64_t v0, float inv_t
   return best;
 }
 
-// One W2 row (any dtype) to fp32, zero padded to rank8.
-void ConvertRow(const Problem& p, int64_t v, float* out) {
+// Row v of a [V, r] W2 of type t (int8 or a float type) to fp32, zero padded to rank8.
+void ConvertRow(const Problem& p, const void* w2, ffi::DataType t, int64_t v, float* out) {
   const int64_t r = p.rank;
-  switch (p.w2_t) {
+  switch (t) {
     case ffi::DataType::S8: {
-      const int8_t* src = static_cast<const int8_t*>(p.w2) + v * r;
+      const int8_t* src = static_cast<const int8_t*>(w2) + v * r;
       for (int64_t j = 0; j < r; ++j) out[j] = static_cast<float>(src[j]);
       break;
     }
     case ffi::DataType::BF16: {
-      const uint16_t* src = static_cast<const uint16_t*>(p.w2) + v * r;
+      const uint16_t* src = static_cast<const uint16_t*>(w2) + v * r;
       for (int64_t j = 0; j < r; ++j) out[j] = Bf16ToF32(src[j]);
       break;
     }
     case ffi::DataType::F16: {
-      const uint16_t* src = static_cast<const uint16_t*>(p.w2) + v * r;
+      const uint16_t* src = static_cast<const uint16_t*>(w2) + v * r;
       for (int64_t j = 0; j < r; ++j) out[j] = F16ToF32(src[j]);
       break;
     }
     default: {
-      const float* src = static_cast<const float*>(p.w2) + v * r;
+      const float* src = static_cast<const float*>(w2) + v * r;
       std::memcpy(out, src, r * sizeof(float));
     }
   }
@@ -83,6 +84,24 @@ inline float Dot(const float* __restrict w, const float* __restrict e, int64_t r
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// A certified greedy request's key over its candidates (chunk-local rows cand[0, count) of the chunk
+// from v0): each re-scored from the unquantized W2 exactly as a float head's walk scores it (the same
+// conversion, dot, scale back, logit and rounding), PackArgmaxKey(-inf, v0) where there is none.
+uint64_t ExactKey(const Problem& p, const Step& s, int64_t b, int64_t v0, const int32_t* cand, int64_t count,
+                  const void* base, float* w) {
+  uint64_t best = PackArgmaxKey(kNegInf, static_cast<uint32_t>(v0));
+  const float* up = s.up + 2 * b;
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t i = cand[c];
+    ConvertRow(p, p.w2_exact, p.w2_exact_t, v0 + i, w);
+    const float d = Dot(w, s.e + b * p.rank8, p.rank8) * up[0] * up[1];
+    const float bias = p.logit_scale * d;
+    const float l = LoadAsF32(base, p.base_t, i) + bias;
+    best = std::max(best, PackArgmaxKey(p.want_logits ? RoundTo(l, p.logits_t) : l, static_cast<uint32_t>(v0 + i)));
+  }
+  return best;
+}
+
 }  // namespace
 
 void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scratch) {
@@ -94,8 +113,12 @@ void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scrat
   float* w = scratch.w.Get(p.rank8);
   float* dots = scratch.dots.Get(B * s.chunk_rows);
   float* lbuf = scratch.l.Get(s.chunk_rows);
+  if (p.certified) {
+    scratch.keep.resize(s.chunk_rows);
+    scratch.cand.resize(s.chunk_rows);
+  }
   for (int64_t i = 0; i < n; ++i) {
-    ConvertRow(p, v0 + i, w);
+    ConvertRow(p, p.w2, p.w2_t, v0 + i, w);
     for (int64_t b = 0; b < B; ++b) dots[b * s.chunk_rows + i] = Dot(w, s.e + b * p.rank8, p.rank8);
   }
   for (int64_t b = 0; b < B; ++b) {
@@ -113,15 +136,23 @@ void ProcessChunk(const Problem& p, const Step& s, int64_t chunk, Scratch& scrat
       for (int64_t i = n; i < v1 - v0; ++i) RoundStoreScalar(kNegInf, p.logits_t, out, i);
     }
     uint64_t best = 0;
+    int32_t rescored = 0;
     if (n > 0) {
       if (s.sampled[b]) {
         best = SampledArgmax(lbuf, n, v0, s.inv_t[b], p.key[2 * b], p.key[2 * b + 1],
                                     static_cast<uint32_t>(p.position[b]) + static_cast<uint32_t>(s.k));
       } else {
         for (int64_t i = 0; i < n; ++i) best = std::max(best, PackArgmaxKey(lbuf[i], static_cast<uint32_t>(v0 + i)));
+        if (p.certified) {  // the int8 best anchors the filter; the exact best of the candidates is kept
+          const int64_t anchor = static_cast<int64_t>(ArgmaxKeyIndex(best)) - v0;
+          rescored = static_cast<int32_t>(
+              CertifiedCandidates(p, s.bounds[b], base, d, v0, n, anchor, scratch.keep.data(), scratch.cand.data()));
+          best = ExactKey(p, s, b, v0, scratch.cand.data(), rescored, base, w);
+        }
       }
     }
     s.keys[chunk * B + b] = best;
+    if (p.certified) s.rescored[chunk * B + b] = rescored;
   }
 }
 

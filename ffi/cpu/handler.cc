@@ -17,6 +17,12 @@
 // registers), only for columns that could still win. Walks with little work per step stay on the
 // calling thread.
 //
+// A CertifiedMarkovHead (int8 W2 plus the unquantized W2 and its rows' residual norms, operands 9
+// and 10, given only for such a head) walks as an int8 head, except that a greedy request's chunk keeps, instead of its best int8
+// key, the best exact key among the columns that its int8 logits and their error bound cannot rule
+// out, re-scored from the unquantized rows (certified.h): the merge of step 3 is unchanged, and the
+// token is the unquantized walk's.
+//
 // Overflow: each e is scaled down by a power of two before its dots (Headroom) so that no partial
 // sum of a dot with a finite W2 row can overflow, and the dots are scaled back up: exact wherever
 // the result is finite, and a bias too large for fp32 is +-inf by its sign, never the NaN of partial
@@ -39,6 +45,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +55,7 @@
 #include <vector>
 
 #include "common/walk_common.h"
+#include "cpu/certified.h"
 #include "cpu/chunk.h"
 #include "cpu/headroom.h"
 #include "cpu/isa.h"
@@ -135,7 +143,8 @@ ffi::Error Bad(const std::string& what) { return ffi::Error::InvalidArgument("ja
 }  // namespace
 ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuffer anchor, ffi::AnyBuffer w1,
                          ffi::AnyBuffer w2, ffi::AnyBuffer w2_scale, ffi::AnyBuffer temperature, ffi::AnyBuffer key,
-                         ffi::AnyBuffer position, ffi::AnyBuffer d2t, ffi::Result<ffi::AnyBuffer> tokens,
+                         ffi::AnyBuffer position, ffi::AnyBuffer d2t, ffi::RemainingArgs certificate,
+                         ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size,
                          float logit_scale, bool sampling) {
   // ---- operands
@@ -177,6 +186,30 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   if (d2t.element_type() != ffi::DataType::S32 || !(has_d2t || HasShape(d2t.dimensions(), {0}))) {
     return Bad("d2t must be s32 [V] or [0], got " + Dims(d2t.dimensions()));
   }
+  // A CertifiedMarkovHead adds two operands: the unquantized W2 and its rows' residual norms.
+  if (certificate.size() != 0 && certificate.size() != 2) {
+    return Bad("expected 9 operands, or 11 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
+               std::to_string(9 + certificate.size()));
+  }
+  const bool certified = certificate.size() == 2;
+  const void* w2_exact_data = nullptr;
+  const float* residual_norm_data = nullptr;
+  ffi::DataType w2_exact_t = ffi::DataType::F32;
+  if (certified) {
+    const auto w2_exact = certificate.get<ffi::AnyBuffer>(0);
+    const auto residual_norm = certificate.get<ffi::AnyBuffer>(1);
+    if (!w2_exact.has_value() || !residual_norm.has_value()) return Bad("w2_exact and residual_norm must be buffers");
+    if (!int8 || !IsFloat(w2_exact->element_type()) || !HasShape(w2_exact->dimensions(), {V, rank})) {
+      return Bad("w2_exact must be the unquantized W2, bf16/f16/f32 [V, r], beside an s8 w2, got " +
+                 Dims(w2_exact->dimensions()));
+    }
+    if (residual_norm->element_type() != ffi::DataType::F32 || !HasShape(residual_norm->dimensions(), {V})) {
+      return Bad("residual_norm must be f32 [V], got " + Dims(residual_norm->dimensions()));
+    }
+    w2_exact_data = w2_exact->untyped_data();
+    w2_exact_t = w2_exact->element_type();
+    residual_norm_data = static_cast<const float*>(residual_norm->untyped_data());
+  }
   if (vocab_size < 1 || vocab_size > V) {
     return Bad("vocab_size must be in [1, V = " + std::to_string(V) + "], got " + std::to_string(vocab_size));
   }
@@ -206,6 +239,8 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   p.w2_t = w2.element_type();
   p.logits_t = logits->element_type();
   p.int8 = int8;
+  p.certified = certified;
+  p.w2_exact_t = w2_exact_t;
   p.want_logits = want_logits;
   p.want_embeds = want_embeds;
   p.has_d2t = has_d2t;
@@ -215,6 +250,8 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   p.w1 = w1.untyped_data();
   p.w2 = w2.untyped_data();
   p.w2_scale = static_cast<const float*>(w2_scale.untyped_data());
+  p.w2_exact = w2_exact_data;
+  p.residual_norm = residual_norm_data;
   p.temperature = static_cast<const float*>(temperature.untyped_data());
   p.key = static_cast<const uint32_t*>(key.untyped_data());
   p.position = static_cast<const int32_t*>(position.untyped_data());
@@ -232,6 +269,14 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
     inv_t[b] = sampled[b] ? 1.0f / t : 0.0f;
   }
   std::vector<int32_t> prev(p.anchor, p.anchor + B);
+  // A certified head: each greedy request's bound per step (from the largest row scale, NaN rows
+  // left out: their bounds are NaN and they are always re-scored) and the rows each chunk re-scored.
+  float scale_max = 0.0f;
+  if (certified) {
+    for (int64_t v = 0; v < V; ++v) scale_max = std::fmax(scale_max, p.w2_scale[v]);
+  }
+  std::vector<CertifiedBound> bounds(certified ? B : 0);
+  CertifiedStats stats;
 
   // ---- chunking: enough chunks to balance the pool, each a multiple of the tile
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -255,6 +300,7 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   float* e = e_buf.Get(B * p.rank8);
   if (e == nullptr) return ffi::Error::Internal("jax_markov_walk (cpu): out of memory");
   std::vector<uint64_t> keys(num_chunks * B);
+  std::vector<int32_t> rescored(certified ? num_chunks * B : 0);
   std::vector<float> up(2 * B);
   const size_t w1_bytes = ElementBytes(p.w1_t);
 
@@ -266,9 +312,13 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
       for (int64_t j = 0; j < rank; ++j) dst[j] = LoadAsF32(src, p.w1_t, j);
       for (int64_t j = rank; j < p.rank8; ++j) dst[j] = 0.0f;
       Headroom(dst, rank, up.data() + 2 * b);
+      if (certified && !sampled[b]) {
+        bounds[b] = MakeCertifiedBound(dst, rank, p.rank8, up.data() + 2 * b, logit_scale, scale_max);
+      }
       if (want_embeds) std::memcpy(static_cast<char*>(p.embeds) + ((b * K + k) * rank) * w1_bytes, src, rank * w1_bytes);
     }
-    Step step{k, e, up.data(), inv_t.data(), sampled.data(), chunk_rows, num_chunks, keys.data()};
+    Step step{k,          e,          up.data(),     inv_t.data(),   sampled.data(),
+              chunk_rows, num_chunks, keys.data(), bounds.data(), rescored.data()};
     auto work = std::make_shared<StepWork>();
     work->problem = &p;
     work->step = &step;
@@ -289,8 +339,22 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
           has_d2t ? static_cast<int32_t>(static_cast<uint32_t>(token) + static_cast<uint32_t>(p.d2t[token])) : token;
       p.tokens[b * K + k] = target;
       prev[b] = target;
+      if (certified && !sampled[b]) {
+        int64_t rows = 0;
+        for (int64_t c = 0; c < num_chunks; ++c) {
+          const int64_t count = rescored[c * B + b];
+          rows += count;
+          stats.chunk_sets += count > 0;
+          stats.max_chunk_set = std::max(stats.max_chunk_set, count);
+        }
+        stats.decisions += 1;
+        stats.rescored += rows;
+        stats.max_rescored = std::max(stats.max_rescored, rows);
+        stats.uncertified += !bounds[b].safe;
+      }
     }
   }
+  if (certified) RecordCertifiedStats(stats);
   return ffi::Error::Success();
 }
 
@@ -309,6 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarkovWalkCpu, jax_markov::cpu::MarkovWalkCpu,
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // position
                                   .Arg<ffi::AnyBuffer>()  // d2t
+                                  .RemainingArgs()        // w2_exact, residual_norm: a CertifiedMarkovHead's
                                   .Ret<ffi::AnyBuffer>()  // tokens
                                   .Ret<ffi::AnyBuffer>()  // logits
                                   .Ret<ffi::AnyBuffer>()  // embeds

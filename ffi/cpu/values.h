@@ -90,6 +90,15 @@ inline size_t ElementBytes(ffi::DataType t) {
   }
 }
 
+// l rounded to dtype t and back (f32: l itself).
+inline float RoundTo(float l, ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return Bf16ToF32(F32ToBf16(l));
+    case ffi::DataType::F16: return F16ToF32(F32ToF16(l));
+    default: return l;
+  }
+}
+
 // Rounds l to the logits dtype and back, and stores it (scalar; shared by both paths' tails).
 inline float RoundStoreScalar(float l, ffi::DataType t, void* out, int64_t i) {
   switch (t) {

@@ -8,11 +8,11 @@ from flax import nnx
 from .. import api
 from .. import head as _head
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int8-certified")
 
 
 class QuantizedWeight(nnx.Variable):
-    """A derived, non-trainable layout of a parameter (the int8 W2 and its row scales).
+    """A derived, non-trainable layout of a parameter (the int8 W2, its row scales and residual norms).
 
     Not an `nnx.Param`: optimizers built with `wrt=nnx.Param` leave it alone, and it is not part
     of the checkpoint (which stores the float W2 under its released name)."""
@@ -25,8 +25,11 @@ class MarkovHead(nnx.Module):
       markov_w1: [vocab_size, markov_rank], indexed by the previous (target-vocabulary) token;
       markov_w2: [draft_vocab_size, markov_rank], projecting onto the draft vocabulary.
 
-    markov_quantization: None (the walk reads the float W2) or "int8" (the walk reads int8 W2 with
-    one float32 scale per row, docs/spec.md). The int8 layout is computed once, when the option is set
+    markov_quantization: None (the walk reads the float W2), "int8" (the walk reads int8 W2 with
+    one float32 scale per row, docs/spec.md) or "int8-certified" (a `jax_markov.CertifiedMarkovHead`
+    over markov_w2 itself: greedy rows choose what the float head chooses, sampled rows and the
+    returned logits are the int8 head's; it adds the rows' residual norms, 4 bytes a row, to the int8
+    layout). The int8 layout is computed once, when the option is set
     or when weights are loaded (`load_weights`, `jax_markov.flax.load_state_dict`), and stored as
     `QuantizedWeight` variables; it is never recomputed per call. If you change `markov_w2` any
     other way (an optimizer step, `nnx.update`), call `refresh_quantization()` afterwards.
@@ -53,6 +56,7 @@ class MarkovHead(nnx.Module):
         self.markov_w2 = nnx.Param(w2)
         self.markov_w2_int8 = nnx.data(None)
         self.markov_w2_scale = nnx.data(None)
+        self.markov_w2_residual_norm = nnx.data(None)
         self._quantization = None
         self.markov_quantization = markov_quantization
 
@@ -87,10 +91,18 @@ class MarkovHead(nnx.Module):
         layout (never a stale one): `head()` refuses until markov_w2 is fixed and this is called again."""
         self.markov_w2_int8 = None
         self.markov_w2_scale = None
+        self.markov_w2_residual_norm = None
+        float_head = _head.MarkovHead(self.markov_w1[...], self.markov_w2[...])
         if self._quantization == "int8":
-            quantized = _head.quantize(_head.MarkovHead(self.markov_w1[...], self.markov_w2[...]))
-            self.markov_w2_int8 = QuantizedWeight(quantized.q)
-            self.markov_w2_scale = QuantizedWeight(quantized.scale)
+            quantized = _head.quantize(float_head)
+        elif self._quantization == "int8-certified":
+            certified = _head.quantize(float_head, certified=True)
+            quantized = certified.quantized
+            self.markov_w2_residual_norm = QuantizedWeight(certified.residual_norm)
+        else:
+            return
+        self.markov_w2_int8 = QuantizedWeight(quantized.q)
+        self.markov_w2_scale = QuantizedWeight(quantized.scale)
 
     def after_load(self):
         """Called by the checkpoint loader once new weights are in."""
@@ -124,14 +136,17 @@ class MarkovHead(nnx.Module):
         return float(jnp.linalg.norm(approx - m) / jnp.maximum(jnp.linalg.norm(m), 1e-30))
 
     # -- the head as jax_markov pytrees ------------------------------------------------------------
-    def head(self) -> _head.MarkovHead | _head.QuantizedMarkovHead:
-        """The head `jax_markov.walk` takes: float, or int8 when markov_quantization == "int8"."""
+    def head(self) -> _head.MarkovHead | _head.QuantizedMarkovHead | _head.CertifiedMarkovHead:
+        """The head `jax_markov.walk` takes: float, int8 or certified int8, as markov_quantization says."""
+        if self._quantization is None:
+            return _head.MarkovHead(self.markov_w1[...], self.markov_w2[...])
+        if self.markov_w2_int8 is None:
+            raise ValueError(f"markov_quantization is {self._quantization!r} but the head has no int8 layout: quantizing "
+                             "markov_w2 failed (see the error it raised); fix markov_w2 and call refresh_quantization()")
+        quantized = _head.QuantizedMarkovHead(self.markov_w1[...], self.markov_w2_int8[...], self.markov_w2_scale[...])
         if self._quantization == "int8":
-            if self.markov_w2_int8 is None:
-                raise ValueError("markov_quantization is 'int8' but the head has no int8 layout: quantizing markov_w2 "
-                                 "failed (see the error it raised); fix markov_w2 and call refresh_quantization()")
-            return _head.QuantizedMarkovHead(self.markov_w1[...], self.markov_w2_int8[...], self.markov_w2_scale[...])
-        return _head.MarkovHead(self.markov_w1[...], self.markov_w2[...])
+            return quantized
+        return _head.CertifiedMarkovHead(quantized, self.markov_w2[...], self.markov_w2_residual_norm[...])
 
     def embed(self, prev):
         """markov_w1[prev] (ids clamped into range), the confidence head's Markov input."""
