@@ -135,9 +135,18 @@ def test_which_launches_take_the_transposed_kernel():
         native.cuda_transposed_launches(24, 151936, jnp.float64)
 
 
+def _custom_call_operands(text: str) -> int:
+    (line,) = [line for line in text.splitlines() if CUSTOM_CALL in line]
+    return len(line.split(CUSTOM_CALL + "(")[1].split(")")[0].split(","))
+
+
 def test_lowering_ffi_for_cuda():
     if native.cuda_available():
-        assert CUSTOM_CALL in _lowered_text("cuda", "ffi")
+        text = _lowered_text("cuda", "ffi")
+        # The CUDA handler binds the walk's nine operands (ffi/README.md); a CertifiedMarkovHead's two
+        # more go to the CPU target only.
+        assert _custom_call_operands(text) == 9
+        assert _custom_call_operands(_lowered_text("cuda", "ffi", quantized=False)) == 9
         with pytest.raises(ValueError, match=r"impl='ffi' on cuda: the CUDA kernel needs rank r = 256"):
             _lowered_text("cuda", "ffi", rank=R)
     else:
