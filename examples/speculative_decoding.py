@@ -1,4 +1,4 @@
-"""Speculative decoding with a DSpark drafter: no Markov head vs a bf16 head vs an int8 head.
+"""Speculative decoding with a DSpark drafter: no Markov head vs a bf16, an int8 and a certified int8 head.
 
 A toy target whose next-token logits have a real low-rank bigram structure (plus what its
 decoder layers add from the context), a DFlash-shaped block drafter that shares the target's
@@ -87,7 +87,7 @@ def mask_token(cfg):
 def build_drafters(cfg, target, block_size):
     """A DSpark drafter of block size K for `target` (random backbone, head fitted by
     `fit_markov_head`) and the drafters of the arms, which share its backbone: {"bf16 head": ...,
-    "int8 head": ...}. Returns (drafter, arms, fit_error)."""
+    "int8 head": ..., "certified int8 head": ...}. Returns (drafter, arms, fit_error)."""
     layers = cfg["target_layers"]
     drafter_config = jmf.DSparkConfig(
         vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
@@ -111,8 +111,10 @@ def build_drafters(cfg, target, block_size):
     bf16.load_weights(drafter.markov_head.markov_w1[...], drafter.markov_head.markov_w2[...])
     int8 = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization="int8")
     int8.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])  # int8 W2 made once, here
+    certified = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization="int8-certified")
+    certified.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])
     arms = {}
-    for name, head in (("bf16 head", bf16), ("int8 head", int8)):
+    for name, head in (("bf16 head", bf16), ("int8 head", int8), ("certified int8 head", certified)):
         d = jmf.DSparkDrafter(drafter_config)
         nnx.update(d, nnx.state(drafter))  # same backbone
         d.markov_head = head
@@ -230,10 +232,13 @@ def main(argv=None):
         rows.append((mode, "target alone", "1.000", float(jnp.mean(ref.num_steps)), b * n / t_ref, 1.0, "reference"))
         print(f"{mode:>16} | target alone   | {b * n / t_ref:9.1f} tok/s")
         arms = [("DSpark, no head", drafter, False), ("DSpark, bf16 head", heads["bf16 head"], True),
-                ("DSpark, int8 head", heads["int8 head"], True)]
+                ("DSpark, int8 head", heads["int8 head"], True),
+                ("DSpark, certified int8 head", heads["certified int8 head"], True)]
+        results = {}
         for name, d, use_head in arms:
             res, t = timed(lambda: sp.speculative_decode(target, d, prompt, lengths, use_markov_head=use_head,
                                                          impl=args.impl, **kw), cfg["repeats"])
+            results[name] = res
             tau = res.mean_acceptance_length()
             if temperature is None:
                 same = bool(np.array_equal(np.asarray(res.tokens), np.asarray(ref.tokens)))
@@ -241,6 +246,13 @@ def main(argv=None):
                 if not same:
                     print("error: greedy speculative decoding differs from the target's greedy decoding",
                           file=sys.stderr)
+                if name == "DSpark, certified int8 head":
+                    # Its greedy drafts are the bf16 head's: the same accepted drafts at every step.
+                    bf16_accepted = np.asarray(results["DSpark, bf16 head"].num_accepted)
+                    equal = bool(np.array_equal(np.asarray(res.num_accepted), bf16_accepted))
+                    check += "; accepted drafts " + ("equal to the bf16 head's" if equal else "DIFFER from the bf16 head's")
+                    if not equal:
+                        print("error: the certified int8 head's greedy drafts differ from the bf16 head's", file=sys.stderr)
             else:
                 drafted = int(jnp.sum(res.num_steps)) * cfg["block_size"]
                 check = f"{int(jnp.sum(res.num_accepted))} of {drafted} drafts accepted"
@@ -294,7 +306,8 @@ def render(args, cfg, device, fit_error, rows):
         f"{cfg['context_scale']:g} / sqrt(fan-in)).",
         f"- Markov head: rank r = {cfg['markov_rank']}, fit to the target's bigram table minus the drafter's mask-row "
         f"logits by a truncated SVD (relative error {fit_error:.2e}); the bf16 head rounds it to bfloat16, the "
-        f"int8 head quantizes that W2 per row (docs/spec.md).",
+        f"int8 head quantizes that W2 per row (docs/spec.md), and the certified int8 head walks that int8 W2 but "
+        f"chooses greedy rows' tokens exactly as the bf16 head does (`quantize(head, certified=True)`).",
         f"- batch {cfg['batch']} requests, prompts of {cfg['prompt_len']} random tokens, {cfg['new_tokens']} new "
         f"tokens each; tokens/s = batch x new tokens / wall time of one jitted decode (prefill included, "
         f"compilation excluded), best of {cfg['repeats']} runs.",
