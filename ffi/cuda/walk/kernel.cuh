@@ -209,10 +209,10 @@ __device__ __forceinline__ void WalkCta<T>::Start() {
 }
 
 // Step k's noise of the CTA's rows ahead of scoring, on `threads` threads from `thread`, where it fits
-// (a.noise_ahead).
+// (a.noise_ahead); the plain form's instances, whose rows never sample, have none.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::FillNoiseOfStep(int k) {
-  if (!a.noise_ahead) return;
+  if (FORM == kPlainForm || !a.noise_ahead) return;
   // The direct exchange's gathering warps (warp b fetches request b's choice) start a chain of L2
   // round trips (the keys, then the W1 row); with kFillWhileGathering the warps past them fill the
   // noise meanwhile, where they are most of the CTA. Otherwise every warp fills it.

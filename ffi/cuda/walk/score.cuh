@@ -113,8 +113,11 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
   int held_tile = 0;
   uint32_t held_a[kSlots], held_b[kSlots];
   int held_acc[2][2][4];
-  for (int n = 0; n < loop_tiles; ++n) {
-    const bool active = n < tiles.total();
+  // Only the wgmma kernels run past a warp's own tiles (loop_tiles); saying so at compile time leaves
+  // the operand zeroing of a warp past its tiles out of the mma.sync kernels' tile loop.
+  const int n_tiles = kWgmma ? loop_tiles : tiles.total();
+  for (int n = 0; n < n_tiles; ++n) {
+    const bool active = !kWgmma || n < tiles.total();
     const int j = next_tile;
     const int row0 = RowOf(j);
     const bool streamed = active && next_streamed;
