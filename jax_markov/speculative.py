@@ -40,6 +40,11 @@ from .reference import gumbel_max_score
 
 ACCEPT_STREAM = np.uint32(0x40000001)
 RESAMPLE_STREAM = np.uint32(0x40000002)
+# The decode loops' parts run under these `jax.named_scope`s, so that the op names of their HLO ops
+# (which a profile's events carry) say which part an op belongs to; `DSparkDrafter.draft` runs its
+# walk under "walk", inside "drafter". Ops outside them are the loop's own bookkeeping.
+PREFILL_SCOPE = "prefill"
+STEP_SCOPES = ("drafter", "walk", "target_forward", "rejection_sampler", "drafter_context")
 
 
 # -- random streams -------------------------------------------------------------------------------
@@ -274,11 +279,13 @@ def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, l
     limit = lengths + max_new_tokens
     sampling = temperature is not None
     layers = tuple(drafter.target_layer_ids)
-    tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, layers,
-                                  max_new_tokens)
-    context = drafter.extend_context(out.features, jnp.zeros((b,), jnp.int32), drafter.init_context(b, total))
-    done = jnp.zeros((b,), bool)
-    tokens, length, done = _finish(tokens, lengths, done, jnp.ones((b,), jnp.int32), first[:, None], limit, eos_id)
+    with jax.named_scope(PREFILL_SCOPE):
+        tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, layers,
+                                      max_new_tokens)
+        context = drafter.extend_context(out.features, jnp.zeros((b,), jnp.int32), drafter.init_context(b, total))
+        done = jnp.zeros((b,), bool)
+        tokens, length, done = _finish(tokens, lengths, done, jnp.ones((b,), jnp.int32), first[:, None], limit,
+                                       eos_id)
     zeros = jnp.zeros((b,), jnp.int32)
     state = (jnp.int32(0), tokens, length, done, out.cache, context, zeros, zeros, jnp.zeros((b, k + 1), jnp.int32))
 
@@ -289,17 +296,21 @@ def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, l
         it, tokens, length, done, cache, context, steps, accepted, counts = s
         anchor_pos = length - 1
         anchor = jnp.take_along_axis(tokens, anchor_pos[:, None], axis=1)[:, 0]
-        draft = drafter.draft(anchor, anchor_pos, context, embed=target.embed, unembed=target.unembed,
-                              temperature=temperature, key=words, use_markov_head=use_markov_head,
-                              return_logits=sampling, logits_dtype=logits_dtype, vocab_size=vocab_size, impl=impl)
+        with jax.named_scope("drafter"):
+            draft = drafter.draft(anchor, anchor_pos, context, embed=target.embed, unembed=target.unembed,
+                                  temperature=temperature, key=words, use_markov_head=use_markov_head,
+                                  return_logits=sampling, logits_dtype=logits_dtype, vocab_size=vocab_size, impl=impl)
         block = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
-        verify = target(block, anchor_pos, cache, feature_layers=layers)
-        verdict = rejection_sample(draft.tokens, verify.logits, draft.logits, temperature=temperature, key=words,
-                                   position=anchor_pos + 1, vocab_size=vocab_size, fill_value=pad_id)
+        with jax.named_scope("target_forward"):
+            verify = target(block, anchor_pos, cache, feature_layers=layers)
+        with jax.named_scope("rejection_sampler"):
+            verdict = rejection_sample(draft.tokens, verify.logits, draft.logits, temperature=temperature, key=words,
+                                       position=anchor_pos + 1, vocab_size=vocab_size, fill_value=pad_id)
         n = verdict.num_accepted
         active = ~done
         tokens, length, done = _finish(tokens, length, done, n + 1, verdict.tokens, limit, eos_id)
-        context = drafter.extend_context(verify.features, anchor_pos, context)
+        with jax.named_scope("drafter_context"):
+            context = drafter.extend_context(verify.features, anchor_pos, context)
         steps = steps + active.astype(jnp.int32)
         accepted = accepted + jnp.where(active, n, 0)
         counts = counts + (jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32))
@@ -311,7 +322,8 @@ def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, l
 
 def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_tokens: int, temperature=None, key=None,
                        eos_id: int | None = None, pad_id: int = 0, use_markov_head: bool = True,
-                       logits_dtype=jnp.float32, vocab_size: int | None = None, impl: str = "auto") -> DecodeResult:
+                       logits_dtype=jnp.float32, vocab_size: int | None = None, impl: str = "auto",
+                       lower: bool = False) -> DecodeResult:
     """Speculative decoding of a batch of requests, in one jitted `lax.while_loop`.
 
     target: a model following the target protocol (`jax_markov.flax.CausalLM` documents it);
@@ -327,7 +339,15 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
     walk at position p + 1, run the target once on [anchor, drafts] (positions p .. p+K), accept
     with `rejection_sample`, commit the accepted drafts and the correction/bonus token (which becomes
     the next anchor), and extend the drafter's context with the target's features of the committed
-    positions.
+    positions. Greedy rows commit only the target's argmax of a verify row, so their text is exactly
+    `target_decode(..., verify_block_size=K)`'s, bit for bit, wherever the target computes each row of
+    a block apart from the others (as `CausalLM` does: every op of a row is row-wise, or a GEMM or
+    attention over the cache whose row does not read the other rows).
+
+    lower=True returns the jitted program lowered for these arguments (a `jax.stages.Lowered`;
+    `.compile().as_text()` is the HLO whose op names a profile of this decode reports, see
+    `STEP_SCOPES`) instead of running it; after a run with the same arguments both come from JAX's
+    caches.
     """
     prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)
     if drafter.config.vocab_size != _vocab_of(target, drafter):
@@ -335,10 +355,14 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
                          f"({_vocab_of(target, drafter)})")
     target_def, target_state = _nnx().split(target)
     drafter_def, drafter_state = _nnx().split(drafter)
-    return _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words,
-                        _eos(eos_id), jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
-                        use_markov_head=bool(use_markov_head),
-                        logits_dtype=jnp.dtype(logits_dtype).name, vocab_size=vocab_size, impl=impl)
+    return _run(_speculative, lower, target_def, target_state, drafter_def, drafter_state, prompt, lengths,
+                temperature, words, _eos(eos_id), jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
+                use_markov_head=bool(use_markov_head), logits_dtype=jnp.dtype(logits_dtype).name,
+                vocab_size=vocab_size, impl=impl)
+
+
+def _run(program, lower: bool, *args, **static):
+    return program.lower(*args, **static) if lower else program(*args, **static)
 
 
 def _eos(eos_id):
@@ -354,17 +378,19 @@ def _vocab_of(target, drafter):
     return getattr(config, "vocab_size", drafter.config.vocab_size)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "vocab_size"))
-def _autoregressive(target_def, target_state, prompt, lengths, temperature, words, eos_id, pad_id, *, max_new_tokens,
-                    vocab_size):
+@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "vocab_size", "verify_block_size"))
+def _autoregressive(target_def, target_state, prompt, lengths, temperature, words, eos_id, pad_id, query_row, *,
+                    max_new_tokens, vocab_size, verify_block_size):
     target = _nnx().merge(target_def, target_state)
     b, p = prompt.shape
-    total = p + max_new_tokens + 1
+    rows = verify_block_size + 1  # query rows per forward
+    total = p + max_new_tokens + rows  # with verify_block_size = K: _speculative's cache length
     limit = lengths + max_new_tokens
-    tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, (),
-                                  max_new_tokens)
-    tokens, length, done = _finish(tokens, lengths, jnp.zeros((b,), bool), jnp.ones((b,), jnp.int32),
-                                   first[:, None], limit, eos_id)
+    with jax.named_scope(PREFILL_SCOPE):
+        tokens, out, first = _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_size, (),
+                                      max_new_tokens)
+        tokens, length, done = _finish(tokens, lengths, jnp.zeros((b,), bool), jnp.ones((b,), jnp.int32),
+                                       first[:, None], limit, eos_id)
     zeros = jnp.zeros((b,), jnp.int32)
 
     def cond(s):
@@ -373,10 +399,14 @@ def _autoregressive(target_def, target_state, prompt, lengths, temperature, word
     def body(s):
         it, tokens, length, done, cache, steps = s
         pos = length - 1
-        last = jnp.take_along_axis(tokens, pos[:, None], axis=1)
-        step = target(last, pos, cache)
-        nxt = choose_token(step.logits[:, 0], temperature=temperature, key_words=words, position=pos + 1,
-                           vocab_size=vocab_size)
+        # The last token, then (with verify_block_size) what the text buffer holds after it: data, not
+        # constants, so that XLA computes every row as the verify step does
+        block = jax.vmap(lambda row, start: lax.dynamic_slice(row, (start,), (rows,)))(tokens, pos)
+        with jax.named_scope("target_forward"):
+            step = target(block, pos, cache)
+        # row 0 through a traced index: XLA cannot narrow the forward to the one row it keeps
+        logits = step.logits[:, 0] if rows == 1 else lax.dynamic_index_in_dim(step.logits, query_row, 1, False)
+        nxt = choose_token(logits, temperature=temperature, key_words=words, position=pos + 1, vocab_size=vocab_size)
         active = ~done
         tokens, length, done = _finish(tokens, length, done, jnp.ones((b,), jnp.int32), nxt[:, None], limit, eos_id)
         return it + 1, tokens, length, done, step.cache, steps + active.astype(jnp.int32)
@@ -386,11 +416,25 @@ def _autoregressive(target_def, target_state, prompt, lengths, temperature, word
 
 
 def target_decode(target, prompt, prompt_lengths, *, max_new_tokens: int, temperature=None, key=None,
-                  eos_id: int | None = None, pad_id: int = 0, vocab_size: int | None = None) -> DecodeResult:
+                  eos_id: int | None = None, pad_id: int = 0, vocab_size: int | None = None,
+                  verify_block_size: int = 0, lower: bool = False) -> DecodeResult:
     """The target's own autoregressive decoding (one token per forward), jitted the same way: the
     reference that greedy speculative decoding reproduces token for token, and the baseline of the
-    example. Sampled rows draw token t with the resample stream at position t."""
+    example. Sampled rows draw token t with the resample stream at position t.
+
+    verify_block_size=K runs each forward as `speculative_decode` with a drafter of block size K runs
+    its verify step: on K + 1 query rows (the last token, then what the text buffer holds after it)
+    over a KV cache of the same length, keeping row 0. The text is the same; the rounding is that of
+    the verify step, row for row: where GEMMs and attention of other shapes round otherwise (bf16 on
+    a GPU), this is the reference whose greedy text speculative decoding reproduces bit for bit, as
+    long as XLA gives the two programs the same kernels for the same shapes (autotuning can differ
+    between compilations: examples/speculative_decoding_gpu.py's `set_xla_flags`).
+    lower=True: as in `speculative_decode`.
+    """
     prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)
+    if not isinstance(verify_block_size, int | np.integer) or verify_block_size < 0:
+        raise ValueError(f"verify_block_size must be a static int >= 0, got {verify_block_size!r}")
     target_def, target_state = _nnx().split(target)
-    return _autoregressive(target_def, target_state, prompt, lengths, temperature, words, _eos(eos_id),
-                           jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens), vocab_size=vocab_size)
+    return _run(_autoregressive, lower, target_def, target_state, prompt, lengths, temperature, words, _eos(eos_id),
+                jnp.asarray(pad_id, jnp.int32), jnp.zeros((), jnp.int32), max_new_tokens=int(max_new_tokens),
+                vocab_size=vocab_size, verify_block_size=int(verify_block_size))

@@ -2,6 +2,9 @@
 
 - Lossless: greedy speculative decoding reproduces the target's own greedy decoding token for
   token, whatever the drafter (random, fitted, bf16 head, int8 head, no head).
+- By construction, not by luck of the rounding: the reference `target_decode(verify_block_size=K)`
+  runs the target at the verify step's shapes, and a position's logits and KV entries are bitwise
+  the same alone (padded to K + 1 rows) and inside a verify block (bf16 weights).
 - Distribution: sampled speculative decoding emits the target's distribution. Chi-square tests
   with fixed seeds; a test passes when its p-value is >= P_MIN = 1e-3, and a negative control
   (the same samples against a different temperature's distribution) must fall below 1e-6, which
@@ -218,6 +221,8 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(greedy, name
     target, prompt, lengths, ref, runs = greedy
     res = runs[name]
     np.testing.assert_array_equal(res.tokens, ref.tokens)
+    padded = sp.target_decode(target, prompt, lengths, max_new_tokens=24, verify_block_size=K)
+    np.testing.assert_array_equal(res.tokens, padded.tokens)  # the reference at the verify step's shapes
     np.testing.assert_array_equal(res.lengths, lengths + 24)
     np.testing.assert_array_equal(ref.num_steps, 23)  # the reference: one forward per token after the first
     # the statistics add up: a histogram per request, accepted drafts, fewer target forwards
@@ -269,9 +274,67 @@ def test_arguments_are_checked(greedy):
         sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=4, temperature=1.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         sp.target_decode(target, prompt, lengths, max_new_tokens=0)
+    with pytest.raises(ValueError, match="verify_block_size"):
+        sp.target_decode(target, prompt, lengths, max_new_tokens=4, verify_block_size=-1)
     other = jmf.DSparkDrafter(dataclasses.replace(DRAFTER, vocab_size=V + 1, draft_vocab_size=None))
     with pytest.raises(ValueError, match="vocab_size"):
         sp.speculative_decode(target, other, prompt, lengths, max_new_tokens=4)
+
+
+def test_a_position_rounds_alike_alone_on_padded_rows_and_inside_a_verify_block():
+    """The reference's footing, bitwise: with bf16 weights (activations rounded to bf16 before every
+    GEMM, as on the GPU), the target's logits of a position and the KV entries it writes are the same
+    whether the position is row 0 of K + 1 rows padded with other tokens (the reference's step) or row
+    j of a verify block, given the same cache before it. A target whose rows mixed (a row's GEMM or
+    attention reading the other rows, a norm over the block) fails here."""
+    target = jmf.bigram_lm(TARGET, rank=8, sharpness=4.0, context_scale=0.4, silent_tokens=[MASK],
+                           rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    b, p, total = 3, 6, 6 + 2 * (K + 1)
+    forward = nnx.jit(lambda model, tokens, start, cache: model(tokens, start, cache))
+    prompt = jnp.asarray(rng.integers(0, V - 1, (b, p)), jnp.int32)
+    cache = forward(target, prompt, jnp.zeros(b, jnp.int32), target.init_cache(b, total)).cache
+    block = jnp.asarray(rng.integers(0, V - 1, (b, K + 1)), jnp.int32)
+    inside = forward(target, block, jnp.full(b, p, jnp.int32), cache)
+    for j in range(K + 1):  # position p + j alone, after the cache entries of positions < p + j
+        padding = jnp.asarray(rng.integers(0, V - 1, (b, K)), jnp.int32)
+        alone = forward(target, jnp.concatenate([block[:, j:j + 1], padding], axis=1), jnp.full(b, p + j, jnp.int32),
+                        cache)
+        np.testing.assert_array_equal(alone.logits[:, 0], inside.logits[:, j])
+        cache = alone.cache
+    for got, want in ((cache.k, inside.cache.k), (cache.v, inside.cache.v)):  # positions up to p + K
+        np.testing.assert_array_equal(got[:, :, :p + K + 1], want[:, :, :p + K + 1])
+
+
+class RecordingLM(jmf.CausalLM):
+    """A CausalLM that records the shapes of every forward it traces: (tokens, cache.k)."""
+    shapes: list = []
+
+    def __call__(self, tokens, start, cache, **kwargs):
+        RecordingLM.shapes.append((tuple(tokens.shape), tuple(cache.k.shape)))
+        return super().__call__(tokens, start, cache, **kwargs)
+
+
+def test_the_reference_runs_the_target_at_the_verify_steps_shapes(greedy):
+    """target_decode(verify_block_size=K) traces the target's forwards at exactly the shapes of
+    speculative_decode's (prefill, then K + 1 query rows over a cache of the same length), and
+    the plain decode at one row."""
+    target, prompt, lengths, ref, runs = greedy
+    recording = RecordingLM(TARGET, rngs=nnx.Rngs(0))
+    nnx.update(recording, nnx.state(target))
+    drafter = make_drafters(target)["fitted"][0]
+    traced = {}
+    for name, decode in (("reference", functools.partial(sp.target_decode, verify_block_size=K)),
+                         ("speculative", functools.partial(sp.speculative_decode, drafter=drafter)),
+                         ("plain", sp.target_decode)):
+        RecordingLM.shapes.clear()
+        out = decode(target=recording, prompt=prompt, prompt_lengths=lengths, max_new_tokens=24)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        traced[name] = list(RecordingLM.shapes)
+    b, p = prompt.shape
+    cache = (TARGET.num_hidden_layers, b, p + 24 + K + 1, TARGET.num_key_value_heads, TARGET.head_dim)
+    assert traced["reference"] == traced["speculative"] == [((b, p), cache), ((b, K + 1), cache)]
+    assert traced["plain"][1][0] == (b, 1)
 
 
 # -- sampled decoding has the target's distribution -------------------------------------------------------

@@ -312,14 +312,16 @@ class DSparkDrafter(nnx.Module):
         if use_markov_head and self.markov_head is None:
             raise ValueError("this drafter has no Markov head (markov_rank = 0); pass use_markov_head=False")
         if use_markov_head:
-            result = self.markov_head.walk(
-                base, anchor, temperature=temperature, key=key, position=None if temperature is None else position,
-                vocab_size=vocab_size, return_logits=return_logits, logits_dtype=logits_dtype,
-                return_embeds=want_embeds, impl=impl)
+            with jax.named_scope("walk"):  # the walk's part of a profile (jax_markov.speculative.STEP_SCOPES)
+                result = self.markov_head.walk(
+                    base, anchor, temperature=temperature, key=key,
+                    position=None if temperature is None else position, vocab_size=vocab_size,
+                    return_logits=return_logits, logits_dtype=logits_dtype, return_embeds=want_embeds, impl=impl)
             tokens, logits, embeds = result
         else:
-            tokens, logits = draft_without_head(base, temperature=temperature, key=key, position=position,
-                                                vocab_size=vocab_size, logits_dtype=logits_dtype)
+            with jax.named_scope("walk"):
+                tokens, logits = draft_without_head(base, temperature=temperature, key=key, position=position,
+                                                    vocab_size=vocab_size, logits_dtype=logits_dtype)
             logits = logits if return_logits else None
             embeds = None
             if want_embeds:

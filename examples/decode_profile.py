@@ -1,0 +1,148 @@
+"""One verify step of a decode loop split into its parts, from a profile of one real decode.
+
+The loops of `jax_markov.speculative` run their parts under named scopes (`STEP_SCOPES`), which
+become the op names of their HLO ops. A decode run under the profiler gives every op's time: on a
+GPU each kernel and copy of the device's streams (CUPTI), elsewhere each of XLA's thunks on the
+host (self time: a loop's thunk without the ops inside it). Each event names its HLO op; the
+compiled program's HLO text gives that op's name, and the innermost part scope in it the part.
+Ops of no part (the text and cache updates, the loop's control, ops that XLA fused across parts)
+are the rest of the step; the prefill's are left out. So the parts are the time the loop itself
+spent in them and add up, with the rest, to the loop's whole profiled time.
+"""
+from __future__ import annotations
+
+import glob
+import re
+import tempfile
+from collections import defaultdict
+
+import jax
+
+from jax_markov import speculative as sp
+
+# scope -> part; the drafter's context update counts as the drafter's
+PARTS = {"target_forward": "target forward", "drafter": "drafter", "drafter_context": "drafter", "walk": "walk",
+         "rejection_sampler": "rejection sampler"}
+REST = "rest of the step"
+assert set(PARTS) == set(sp.STEP_SCOPES)
+
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def common_prefix(names) -> str:
+    """The longest common '/'-separated prefix of op names."""
+    names = [n.split("/") for n in names if n]
+    if not names:
+        return ""
+    prefix = names[0]
+    for parts in names[1:]:
+        i = 0
+        while i < min(len(prefix), len(parts)) and prefix[i] == parts[i]:
+            i += 1
+        prefix = prefix[:i]
+    return "/".join(prefix)
+
+
+def hlo_op_names(hlo_text: str) -> tuple[str, dict[str, str]]:
+    """(module name, {instruction: op name}) of an HLO module's text. An instruction's op name is its
+    own (a fusion's: that of the op it computes, whatever producers it fused), or where it has none,
+    the longest common prefix of those of the computations it calls."""
+    module, computation = "", None
+    own, calls, members = {}, {}, defaultdict(list)
+    for line in hlo_text.splitlines():
+        if line.startswith("HloModule "):
+            module = line.split()[1].rstrip(",")
+        elif line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.split()[1 if line.startswith("ENTRY ") else 0].lstrip("%")
+        elif (m := _INSTRUCTION.match(line)) and computation is not None:
+            name = m.group(1)
+            members[computation].append(name)
+            op_name = _OP_NAME.search(line)
+            own[name] = op_name.group(1) if op_name else ""
+            calls[name] = [c.strip(" %{}") for group in _CALLS.findall(line) for c in group.split(",")]
+    names_in: dict[str, list[str]] = {}
+
+    def computation_names(comp: str, seen=()) -> list[str]:
+        if comp not in names_in:
+            names_in[comp] = [n for inst in members.get(comp, ()) for n in instruction_names(inst, (*seen, comp))]
+        return names_in[comp]
+
+    def instruction_names(inst: str, seen) -> list[str]:
+        if own[inst]:
+            return [own[inst]]
+        return [n for c in calls[inst] if c not in seen for n in computation_names(c, seen)]
+
+    return module, {inst: common_prefix(instruction_names(inst, ())) for inst in own}
+
+
+def part_of(op_name: str) -> str | None:
+    """The part of the innermost part scope in an op name; "prefill" in the prefill; None elsewhere."""
+    scopes = op_name.split("/")
+    if sp.PREFILL_SCOPE in scopes:
+        return sp.PREFILL_SCOPE
+    return next((PARTS[s] for s in reversed(scopes) if s in PARTS), None)
+
+
+def self_times(events):
+    """[(module, op, self ns)] of one line's (start, end, module, op) events: each one's duration
+    less that of the events nested in it."""
+    out, stack = [], []  # stack: [end, index into out]
+    for start, end, module, op in sorted(events, key=lambda e: (e[0], -e[1])):
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack:
+            out[stack[-1][1]][2] -= end - start
+        out.append([module, op, end - start])
+        stack.append([end, len(out) - 1])
+    return out
+
+
+def op_events(trace_dir: str):
+    """([(module, HLO op, self ns)] of the trace's ops, "device" or "host"): the GPU streams' kernels
+    and copies where the trace has them, else the host's XLA thunks."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    lines = {"device": [], "host": []}
+    for plane in (ProfileData.from_file(files[0]).planes if files else []):
+        device = plane.name.startswith("/device:GPU")
+        for line in plane.lines:
+            if device and not line.name.startswith("Stream"):
+                continue
+            events = []
+            for e in line.events:
+                stats = dict(e.stats)
+                if "hlo_op" in stats:
+                    events.append((e.start_ns, e.start_ns + e.duration_ns, str(stats.get("hlo_module", "")),
+                                   str(stats["hlo_op"])))
+            lines["device" if device else "host"].append(events)
+    source = "device" if any(lines["device"]) else "host"
+    return [t for events in lines[source] for t in self_times(events)], source
+
+
+def attribute(events, module: str, op_names: dict) -> dict:
+    """{part, REST, "prefill": ns} of the (module, op, ns) events of `module` (of every module where
+    no event names it)."""
+    mine = [e for e in events if e[0] == module] or events
+    times = defaultdict(float, {part: 0.0 for part in (*PARTS.values(), REST)})
+    for _, op, ns in mine:
+        times[part_of(op_names.get(op, "")) or REST] += ns
+    return dict(times)
+
+
+def step_split(run, iterations: int) -> dict:
+    """The parts of one verify step from a profile of one call of `run` (a decode of
+    `jax_markov.speculative` whose keywords take lower=True; run once before, so that nothing
+    compiles here): dict(ms={part: ms per loop iteration, REST: ...}, method=what was timed)."""
+    module, op_names = hlo_op_names(run(lower=True).compile().as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run())
+        events, source = op_events(trace_dir)
+    times = attribute(events, module, op_names)
+    times.pop(sp.PREFILL_SCOPE, None)
+    method = ("GPU time of its kernels and copies, from CUPTI" if source == "device"
+              else "host time of its XLA thunks, each less the thunks inside it")
+    return dict(ms={part: ns * 1e-6 / max(iterations, 1) for part, ns in times.items()}, method=method)
