@@ -104,7 +104,10 @@ def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2
                      logits_dtype=None, sampling: bool = False, props: dict | None = None) -> list[dict]:
     """The launches of a CUDA walk (ffi/plan/walk_plan.h) on this machine's GPU (an H100/H200 where none
     can be asked, or `props`): per launch its kernel, requests, threads, shared memory and resident W2
-    tiles. ValueError naming the limit where the kernel cannot walk the call."""
+    tiles, whether its rows may sample, and when it walks ("run_when": "always", or for a sampled call
+    whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples",
+    decided on the device from the temperatures). ValueError naming the limit where the kernel cannot
+    walk the call."""
     return [dict(p) for p in _plan_module().plan(
         batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), _name(base_dtype),
         None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties())]

@@ -358,6 +358,38 @@ def test_exact_ties_and_nan_in_streamed_tiles(batch, return_logits):
         np.testing.assert_array_equal(np.asarray(got.tokens)[b], [row] * steps)
 
 
+@pytest.mark.parametrize("batch,vocab,w2_dtype", [(1, 151936, jnp.int8), (2, 40008, jnp.int8), (5, 40008, jnp.int8),
+                                                   (12, 151936, jnp.int8), (16, 40008, jnp.int8), (40, 60008, jnp.int8),
+                                                   (100, 40008, jnp.int8), (3, 40008, jnp.bfloat16),
+                                                   (20, 40008, jnp.bfloat16)])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_zero_temperature_batch_walks_as_greedy(reference_scores, assert_tokens_match, batch, vocab, w2_dtype,
+                                                return_logits):
+    """A batch passed with temperatures, keys and positions whose temperatures are all 0 walks on the
+    greedy call's kernel (the plan's guarded pair, walk_config.h's RunWhen): tokens and logits bit for
+    bit the greedy walk's. With one sampled row the sampled launch walks instead, and matches the
+    reference."""
+    rng = np.random.default_rng(batch * 7 + vocab)
+    base, anchor, head, kw = make_case(rng, batch, 5, vocab, w2_dtype=w2_dtype, sampled=True)
+    kw["temperature"] = jnp.zeros((batch,), jnp.float32)
+    out_kw = dict(return_logits=return_logits, logits_dtype=jnp.bfloat16) if return_logits else {}
+    poison_device_memory(batch * 5 * vocab * 4 * 2)
+    greedy = jm.walk(base, anchor, head, impl="ffi", **out_kw)
+    poison_device_memory(batch * 5 * vocab * 4 * 2)
+    zero = jm.walk(base, anchor, head, impl="ffi", **kw, **out_kw)
+    np.testing.assert_array_equal(np.asarray(zero.tokens), np.asarray(greedy.tokens))
+    if return_logits:
+        np.testing.assert_array_equal(np.asarray(zero.logits.astype(jnp.float32)),
+                                      np.asarray(greedy.logits.astype(jnp.float32)))
+    kw["temperature"] = kw["temperature"].at[batch - 1].set(1.0)
+    ref = jm.walk(base, anchor, head, impl="reference", return_logits=True, **kw)
+    poison_device_memory(batch * 5 * vocab * 4 * 2)
+    one = jm.walk(base, anchor, head, impl="ffi", **kw, **out_kw)
+    scores = reference_scores(ref.logits, kw["temperature"], kw["key"], kw["position"])
+    assert_tokens_match(scores, np.asarray(ref.tokens), np.asarray(one.tokens), NEAR_TIE, rtol=NEAR_TIE,
+                        max_mismatch_rows=max(1, batch // 20))
+
+
 # Issue 64's rules for sampled rows on every kernel that samples: a column whose logit is -inf (masked) is
 # never sampled, padding (vocab_size) is never chosen, and T = +inf (1/T = 0) samples uniformly among the
 # other columns: its score there is the noise alone, never the NaN of -inf * 0. B = 1 with its noise

@@ -34,6 +34,13 @@ def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props):
                                    sampling=sampling, props=props)
 
 
+def _walking(plans, rows_sample: bool):
+    """The launches that walk when some row samples (rows_sample) or none does: a guarded pair's one
+    half, and every unguarded launch."""
+    skip = "no_row_samples" if rows_sample else "some_row_samples"
+    return [p for p in plans if p["run_when"] != skip]
+
+
 def _grid(seed=0, count=4000):
     """A fixed sample of (batch, steps, vocab, w2, w1, base, logits, sampling, props)."""
     rng = np.random.default_rng(seed)
@@ -59,15 +66,19 @@ def test_every_plan_is_an_instantiated_kernel_that_fits():
         batch, steps, vocab, w2, w1, base, logits, sampling, props = case
         plans = _plans(*case)
         per_launch = envelope["launch_columns"] // native.cuda_columns_per_request(jnp.dtype(w1), jnp.dtype(w2))
-        assert [p["first"] for p in plans] == list(range(0, batch, per_launch)), case
-        assert sum(p["batch"] for p in plans) == batch
+        for rows_sample in (False, True):
+            walking = _walking(plans, rows_sample)
+            assert [p["first"] for p in walking] == list(range(0, batch, per_launch)), case
+            assert sum(p["batch"] for p in walking) == batch
         for p in plans:
             assert p["name"] in instantiated, (case, p)
             assert 0 <= p["resident_tiles"] <= p["tiles_per_cta"], (case, p)
             assert 0 < p["smem_bytes"] <= props["smem_per_block"], (case, p)
             assert p["grid"] == props["sm_count"] and p["threads"] in (256, 384, 512)
             assert not (p["noise_ahead"] and p["noise_tiles"]), "a launch makes its noise one way"
-            assert sampling or not (p["noise_ahead"] or p["noise_tiles"]), "greedy launches make no noise"
+            assert p["sampling"] or not (p["noise_ahead"] or p["noise_tiles"]), "greedy launches make no noise"
+            assert p["sampling"] == (sampling and p["run_when"] != "no_row_samples"), (case, p)
+            assert sampling or p["run_when"] == "always", "only sampled calls are guarded"
             if p["family"] == "transposed":
                 assert w2 == "int8" and 16 < p["batch"] <= 64 and vocab % 8 == 0, (case, p)
         checked += 1
@@ -99,21 +110,55 @@ def test_every_instantiated_kernel_is_some_plan():
 ])
 def test_batch_ranges_take_their_kernels(batch, sampling, logits, kernel):
     """docs/kernel_design.md's batch ranges, at V = 151936 with bf16 base logits and W1 on an H100."""
-    (plan,) = _plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", logits, sampling, H100)
+    (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", logits, sampling, H100), True)
     assert plan["name"] == kernel
+
+
+def test_zero_temperature_batches_walk_as_greedy_ones():
+    """A sampled call whose greedy launch would be another kernel, or the same one with more resident
+    tiles, is a guarded pair per run of requests: the greedy launch (every row greedy) walks where no
+    row samples, the sampled launch where some row does; elsewhere one launch walks either way."""
+    guarded = 0
+    for case in _grid(seed=1, count=1500):
+        batch, steps, vocab, w2, w1, base, logits, sampling, props = case
+        if not sampling or not _supported(case):
+            continue
+        plans = _plans(*case)
+        greedy = _plans(batch, steps, vocab, w2, w1, base, logits, False, props)
+        when_greedy = _walking(plans, False)
+        assert [p["name"] for p in when_greedy] == [p["name"] for p in greedy], case
+        assert [p["resident_tiles"] for p in when_greedy] == [p["resident_tiles"] for p in greedy], case
+        for i, p in enumerate(plans):
+            if p["run_when"] == "no_row_samples":
+                twin = plans[i + 1]
+                assert twin["run_when"] == "some_row_samples" and (twin["first"], twin["batch"]) == (p["first"], p["batch"])
+                assert (twin["name"], twin["resident_tiles"]) != (p["name"], p["resident_tiles"]), case
+                guarded += 1
+            elif p["run_when"] == "always":
+                g = next(q for q in greedy if q["first"] == p["first"])
+                assert (g["name"], g["resident_tiles"]) == (p["name"], p["resident_tiles"]), case
+    assert guarded > 100
+    # At 9-16 requests the greedy walk takes EREGS, the sampled one the fp16-column kernel.
+    first, second = _plans(16, 7, 151936, "int8", "bfloat16", "bfloat16", None, True, H100)
+    assert (first["name"], first["run_when"]) == ("walk<nt=2,eregs,w2=int8,threads=256,form=plain>", "no_row_samples")
+    assert (second["name"], second["run_when"]) == ("walk<nt=2,w2=int8,threads=512,form=any>", "some_row_samples")
 
 
 def test_noise_is_made_where_it_is_used():
     """No sampled launch needs scratch: small batches make each step's noise ahead in shared memory,
     9-16 requests in MarkovWalkKernel a tile at a time (noise tiles), the transposed kernel in its
     epilogue."""
-    (small,) = _plans(2, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
-    (mid,) = _plans(16, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
-    (wide,) = _plans(64, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    def sampled_launch(*args):
+        (plan,) = _walking(_plans(*args), True)
+        return plan
+
+    small = sampled_launch(2, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    mid = sampled_launch(16, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    wide = sampled_launch(64, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)
     assert small["noise_ahead"] and not small["noise_tiles"]
     assert mid["noise_tiles"] and not mid["noise_ahead"]
     assert wide["family"] == "transposed"
-    (bf16_wide,) = _plans(64, 7, 151936, "bfloat16", "bfloat16", "bfloat16", "bfloat16", True, H100)
+    bf16_wide = sampled_launch(64, 7, 151936, "bfloat16", "bfloat16", "bfloat16", "bfloat16", True, H100)
     assert bf16_wide["noise_tiles"]
 
 

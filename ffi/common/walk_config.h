@@ -41,6 +41,13 @@ enum LaunchForm : int { kAnyForm = 0, kBF16LogitsForm = 1, kPlainForm = 2, kF32L
 MARKOV_HOST_DEVICE constexpr int FormLogits(int form) { return form == kF32LogitsForm ? kF32 : kBF16; }
 MARKOV_HOST_DEVICE constexpr bool LogitsForm(int form) { return form == kBF16LogitsForm || form == kF32LogitsForm; }
 
+// Which launches of a sampled call run. A serving loop passes temperatures for every batch, also for
+// one whose rows are all greedy (temperature 0), and only the device sees their values. Where the
+// call's greedy launch would be another kernel (or the same one with more resident tiles), the plan
+// (PlanCall) launches both: the greedy one first, returning at once where a row samples, then the
+// sampled one, returning at once where none does. Each reads the launch's temperatures first.
+enum RunWhen : int { kAlways = 0, kNoRowSamples = 1, kSomeRowSamples = 2 };
+
 MARKOV_HOST_DEVICE constexpr int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 MARKOV_HOST_DEVICE constexpr int W2Bytes(int w2) { return w2 == kW2Int8 ? 1 : 2; }
 // 16-byte chunks of a tile that each lane holds: rows g and g + 8, half each.

@@ -205,7 +205,6 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
   args.logits_dtype = want_logits ? call.logits_dtype : kF32;
   args.logit_scale = logit_scale;
-  args.sampling = sampling;
 #ifdef JAX_MARKOV_TIMELINE
   err = TimelineBuffer(props.sm_count, &args.timeline);
   if (err != cudaSuccess) return CudaError("timeline", err);
@@ -230,6 +229,8 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
     part.noise_ahead = p.noise_ahead;
     part.noise_tiles = p.noise_tiles;
     part.logits_staged = p.logits_staged;
+    part.sampling = p.sampling;
+    part.run_when = p.run_when;
     const void* kernel = KernelFunction(p.kernel);
     if (kernel == nullptr) {
       return ffi::Error(ffi::ErrorCode::kInternal, "jax_markov CUDA walk: the plan names a kernel the build does not instantiate: " +

@@ -128,6 +128,9 @@ NB_MODULE(_markov_plan, m) {
           d["noise_ahead"] = l.noise_ahead;
           d["noise_tiles"] = l.noise_tiles;
           d["logits_staged"] = l.logits_staged;
+          d["sampling"] = l.sampling;
+          static const char* run_when[] = {"always", "no_row_samples", "some_row_samples"};
+          d["run_when"] = run_when[l.run_when];
           launches.append(d);
         }
         return launches;

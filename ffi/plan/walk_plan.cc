@@ -264,9 +264,22 @@ std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& pr
 std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props) {
   std::vector<LaunchPlan> plans;
   const int chunk = LaunchRequests(call.w2, call.w1_dtype);
+  WalkCall greedy_call = call;
+  greedy_call.sampling = false;
   for (int64_t first = 0; first < call.batch; first += chunk) {
-    LaunchPlan p = PlanLaunch(call, int(std::min<int64_t>(chunk, call.batch - first)), props);
+    const int batch = int(std::min<int64_t>(chunk, call.batch - first));
+    LaunchPlan p = PlanLaunch(call, batch, props);
     p.first = int(first);
+    p.sampling = call.sampling;
+    if (call.sampling) {
+      LaunchPlan greedy = PlanLaunch(greedy_call, batch, props);
+      if (!(greedy.kernel == p.kernel) || greedy.resident_tiles != p.resident_tiles) {
+        greedy.first = p.first;
+        greedy.run_when = kNoRowSamples;
+        plans.push_back(greedy);
+        p.run_when = kSomeRowSamples;
+      }
+    }
     plans.push_back(p);
   }
   return plans;

@@ -55,6 +55,8 @@ struct LaunchPlan {
   bool noise_ahead = false;    // MarkovWalkKernel: each step's noise of the CTA's rows made into shared memory first
   bool noise_tiles = false;    // MarkovWalkKernel: each tile's noise made into a warp's buffer just before it is scored
   bool logits_staged = false;  // MarkovWalkKernel: logits out 8 rows of a request a store, through shared memory
+  bool sampling = false;       // whether its rows may sample (false: every row greedy, whatever T holds)
+  int run_when = kAlways;      // RunWhen (walk_config.h)
 };
 
 // B columns a request takes: the MMA's format holds e in one column, or two (hi + lo parts) where it
@@ -71,7 +73,8 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props);
 // int8 W2 that would neither fit in shared memory nor stay in L2. impl="auto" then takes the reference.
 std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& props);
 
-// The launches of a call that Unsupported accepts, in order.
+// The launches of a call that Unsupported accepts, in order: per run of requests one launch, or for a
+// sampled call whose greedy launch differs the guarded pair (RunWhen).
 std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props);
 
 // The keys of MarkovWalkKernel<WalkTraits<...>> and MarkovWalkTransposedKernel<...> instances.

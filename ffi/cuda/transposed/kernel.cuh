@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   constexpr int kWarps = T::kWarps, kPerWarp = T::kPerWarp, kEarly = T::kEarly;
   using Digits = typename T::Digits;
   using Layout = typename T::Layout;
+  if (SkipsLaunch(a)) return;
   extern __shared__ __align__(1024) unsigned char smem[];
   int8_t* digits = reinterpret_cast<int8_t*>(smem);
   unsigned long long* cta_best = reinterpret_cast<unsigned long long*>(smem + Layout::kDigitsBytes);

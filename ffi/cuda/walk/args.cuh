@@ -37,9 +37,19 @@ struct WalkArgs {
   int tiles_per_cta, resident_tiles;
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead, noise_tiles, logits_staged;
+  int run_when;  // RunWhen: whether the launch returns at once, by whether any of its rows samples
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
+
+// Whether this launch of a guarded pair returns at once (RunWhen): every CTA reads the launch's
+// temperatures and reaches the same answer, before it touches the workspace or any output.
+__device__ __forceinline__ bool SkipsLaunch(const WalkArgs& a) {
+  if (a.run_when == kAlways) return false;
+  int samples = 0;
+  for (int b = threadIdx.x; b < a.batch; b += blockDim.x) samples |= a.temperature[b] > 0.0f;
+  return __syncthreads_or(samples) ? a.run_when == kNoRowSamples : a.run_when == kSomeRowSamples;
+}
 
 // A request's 1 / T where it samples, -1 where it is greedy (T = 0, NaN or negative, or no temperatures
 // given). T = +inf samples with 1 / T = 0: uniformly among the columns that are not -inf.

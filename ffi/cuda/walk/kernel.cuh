@@ -356,6 +356,7 @@ namespace walk {
 
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, 1) MarkovWalkKernel(const WalkArgs a) {
+  if (SkipsLaunch(a)) return;
   extern __shared__ __align__(16) unsigned char smem[];
   WalkCta<T> cta(a, smem);
   Stamp(a, 0, 0);
