@@ -27,13 +27,16 @@ import numpy as np
 
 import jax_markov as jm
 
-MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32")
+MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32", "greedy-t0")
 
 
 def walk_options(mode: str, batch: int) -> dict:
     """The keyword arguments of `jm.walk` for one mode."""
     if mode == "greedy":
         return {}
+    if mode == "greedy-t0":  # a serving loop's batch with no sampled row: temperatures 0, tokens only
+        return dict(temperature=jnp.zeros((batch,)), key=jax.random.split(jax.random.key(1), batch),
+                    position=jnp.arange(batch, dtype=jnp.int32))
     kw = dict(return_logits=True, logits_dtype=jnp.float32 if mode.endswith("-f32") else jnp.bfloat16)
     if mode.startswith("probabilistic"):
         kw.update(temperature=jnp.full((batch,), 0.8), key=jax.random.split(jax.random.key(1), batch),
@@ -113,7 +116,8 @@ def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
 def parse(spec: str) -> tuple:
     """"V,K,B,mode[,head]" -> (V, K, B, mode, head_format). Modes: greedy (no logits out), greedy-logits
     (bf16 logits out), probabilistic (every request at T = 0.8, bf16 logits out); the "-f32" forms of
-    the last two write float32 logits (the API's default) instead."""
+    the last two write float32 logits (the API's default) instead; greedy-t0 (temperatures 0 with keys
+    and positions, no logits out)."""
     parts = spec.split(",")
     if parts[3] not in MODES:
         raise ValueError(f"mode {parts[3]!r} of {spec!r} is not one of {MODES}")
