@@ -121,8 +121,17 @@ def flush_buffer(l2_bytes: int):
 def memory_per_call(arm: str, mode: str, head, base, anchor, inputs: dict) -> dict:
     """The head's persistent bytes (its layouts: W1 and the W2 the arm walks) and the scratch bytes
     that XLA allocates for one walk of the arm (the compiled executable's temp size)."""
-    compiled = jax.jit(lambda head, base, anchor, inputs: walk_arm(arm, mode, head, base, anchor, inputs)).lower(
-        head, base, anchor, inputs).compile()
+    return memory_of(head, walk_program(arm, mode, head, base, anchor, inputs).compile())
+
+
+def walk_program(arm: str, mode: str, head, base, anchor, inputs: dict):
+    """One walk of an arm, jitted and lowered for these arguments (a `jax.stages.Lowered`)."""
+    return jax.jit(lambda head, base, anchor, inputs: walk_arm(arm, mode, head, base, anchor, inputs)).lower(
+        head, base, anchor, inputs)
+
+
+def memory_of(head, compiled) -> dict:
+    """memory_per_call's bytes from the head and its walk's compiled program (`walk_program`)."""
     return dict(persistent_bytes=int(head.nbytes), scratch_bytes=int(compiled.memory_analysis().temp_size_in_bytes))
 
 

@@ -215,12 +215,18 @@ def markdown(table: dict) -> str:
 
 def write_table(table: dict, out_prefix) -> str:
     """Writes <out_prefix>.md, .json and (with matplotlib) .png of a table; returns the markdown."""
+    return write_outputs(table, out_prefix, markdown, plot)
+
+
+def write_outputs(data: dict, out_prefix, to_markdown, to_plot) -> str:
+    """<out_prefix>.md (to_markdown(data)), .json (data) and .png (to_plot(data, path), which may
+    write nothing); returns the markdown."""
     prefix = Path(out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(table)
+    text = to_markdown(data)
     prefix.with_suffix(".md").write_text(text)
-    prefix.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
-    plot(table, prefix.with_suffix(".png"))
+    prefix.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    to_plot(data, prefix.with_suffix(".png"))
     return text
 
 

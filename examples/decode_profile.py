@@ -105,21 +105,35 @@ def op_events(trace_dir: str):
     from jax.profiler import ProfileData
 
     files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    lines = {"device": [], "host": []}
-    for plane in (ProfileData.from_file(files[0]).planes if files else []):
-        device = plane.name.startswith("/device:GPU")
-        for line in plane.lines:
-            if device and not line.name.startswith("Stream"):
-                continue
-            events = []
-            for e in line.events:
-                stats = dict(e.stats)
-                if "hlo_op" in stats:
-                    events.append((e.start_ns, e.start_ns + e.duration_ns, str(stats.get("hlo_module", "")),
-                                   str(stats["hlo_op"])))
-            lines["device" if device else "host"].append(events)
-    source = "device" if any(lines["device"]) else "host"
-    return [t for events in lines[source] for t in self_times(events)], source
+    planes = list(ProfileData.from_file(files[0]).planes) if files else []
+    gpu = [plane for plane in planes if plane.name.startswith("/device:GPU")]
+    lines = [line_events(line) for plane in gpu for line in plane.lines if line.name.startswith("Stream")]
+    source = "device"
+    if not any(lines):  # no GPU activity: the host's lines (read only then, a GPU trace holds as many)
+        lines = [line_events(line) for plane in planes if plane not in gpu for line in plane.lines]
+        source = "host"
+    return [t for events in lines for t in self_times(events)], source
+
+
+def line_events(line) -> list:
+    """[(start, end, module, op)] of a trace line's events that name an HLO op."""
+    events = []
+    for e in line.events:
+        stats = dict(e.stats)
+        if "hlo_op" in stats:
+            events.append((e.start_ns, e.start_ns + e.duration_ns, str(stats.get("hlo_module", "")),
+                           str(stats["hlo_op"])))
+    return events
+
+
+def profile_options():
+    """What `step_split` needs of the profiler: the device's activity and the host's XLA thunks; no
+    Python tracing and no HLO protos (the profiler would add those of every program the process
+    compiled, each of a 36-layer decode loop several MB, to every trace)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.enable_hlo_proto = False
+    return options
 
 
 def attribute(events, module: str, op_names: dict) -> dict:
@@ -138,7 +152,7 @@ def step_split(run, iterations: int) -> dict:
     compiles here): dict(ms={part: ms per loop iteration, REST: ...}, method=what was timed)."""
     module, op_names = hlo_op_names(run(lower=True).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
+        with jax.profiler.trace(trace_dir, profiler_options=profile_options()):
             jax.block_until_ready(run())
         events, source = op_events(trace_dir)
     times = attribute(events, module, op_names)

@@ -24,6 +24,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +85,22 @@ def mask_token(cfg):
     return cfg["vocab"] - 1  # a token the target never predicts much
 
 
-def build_drafters(cfg, target, block_size):
+def build_drafters(cfg, target, block_size, factors=None):
     """A DSpark drafter of block size K for `target` (random backbone, head fitted by
-    `fit_markov_head`) and the drafters of the arms, which share its backbone: {"bf16 head": ...,
-    "int8 head": ..., "certified int8 head": ...}. Returns (drafter, arms, fit_error)."""
+    `fit_markov_head`, from `factors` where given) and the drafters of the arms, which share its
+    backbone: {"bf16 head": ..., "int8 head": ..., "certified int8 head": ...}. Returns (drafter, arms,
+    fit_error)."""
+    drafter, arms = drafter_arms(cfg, target, block_size)
+    fit_error = fit_markov_head(target, drafter, cfg, factors=factors)
+    load_fitted_head(drafter, arms)
+    return drafter, arms, fit_error
+
+
+def drafter_arms(cfg, target, block_size):
+    """The drafter of block size K (random backbone, head not fitted yet) and the drafters of the
+    arms, which share its backbone and have heads of their own (zero until `load_fitted_head`):
+    (drafter, {"bf16 head": ..., "int8 head": ..., "certified int8 head": ...}). Every array has its
+    final shape and dtype, so that the arms' programs can be compiled before the fit."""
     layers = cfg["target_layers"]
     drafter_config = jmf.DSparkConfig(
         vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
@@ -105,24 +118,75 @@ def build_drafters(cfg, target, block_size):
         for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
             scale = cfg["context_scale"] / proj.in_features ** 0.5 / drafter_config.initializer_range
             proj.weight[...] = (proj.weight[...].astype(jnp.float32) * scale).astype(proj.weight.dtype)
-    fit_error = fit_markov_head(target, drafter, cfg)
     v, r = cfg["vocab"], cfg["markov_rank"]
-    bf16 = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16)  # as the released heads
-    bf16.load_weights(drafter.markov_head.markov_w1[...], drafter.markov_head.markov_w2[...])
-    int8 = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization="int8")
-    int8.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])  # int8 W2 made once, here
-    certified = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization="int8-certified")
-    certified.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])
     arms = {}
-    for name, head in (("bf16 head", bf16), ("int8 head", int8), ("certified int8 head", certified)):
+    for name, quantization in (("bf16 head", None), ("int8 head", "int8"), ("certified int8 head", "int8-certified")):
         d = jmf.DSparkDrafter(drafter_config)
-        nnx.update(d, nnx.state(drafter))  # same backbone
-        d.markov_head = head
+        nnx.update(d, nnx.state(drafter))  # same backbone (the fit changes only the drafter's own head)
+        d.markov_head = jmf.MarkovHead(v, r, param_dtype=jnp.bfloat16, markov_quantization=quantization)
         arms[name] = d
-    return drafter, arms, fit_error
+    return drafter, arms
 
 
-def fit_markov_head(target, drafter, cfg, chunk: int = 2048):
+def load_fitted_head(drafter, arms):
+    """The arms' heads from the drafter's fitted head: the bf16 head rounds it to bfloat16 (as the
+    released heads), the int8 heads quantize that bf16 W2 (their int8 layout made here, once)."""
+    bf16 = arms["bf16 head"].markov_head
+    bf16.load_weights(drafter.markov_head.markov_w1[...], drafter.markov_head.markov_w2[...])
+    for name in ("int8 head", "certified int8 head"):
+        arms[name].markov_head.load_weights(bf16.markov_w1[...], bf16.markov_w2[...])
+
+
+@nnx.jit
+def final_hidden(model, ids):
+    """The target's final hidden state [c, H] after each of the tokens ids [c], each alone at
+    position 0, rounded to the dtype of the LM head (which rounds its input to it)."""
+    layers = model.config.num_hidden_layers
+    out = model(ids[:, None], jnp.zeros_like(ids), model.init_cache(ids.shape[0], 1), feature_layers=(layers - 1,))
+    return model.model.norm(out.features[:, 0]).astype(model.lm_head.weight.dtype)
+
+
+@nnx.jit
+def mask_hidden(drafter, model, tokens):
+    """The mean hidden state [H] of the drafter's mask rows after the contexts tokens [b, s]."""
+    b, s = tokens.shape
+    out = model(tokens, jnp.zeros(b, jnp.int32), model.init_cache(b, s), feature_layers=drafter.target_layer_ids)
+    ctx = drafter.extend_context(out.features, jnp.zeros(b, jnp.int32), drafter.init_context(b, s + 1))
+    hidden = drafter.hidden(tokens[:, -1], jnp.full(b, s - 1), ctx, embed=model.embed)
+    return jnp.mean(hidden[:, 1:].astype(model.lm_head.weight.dtype).astype(jnp.float32), axis=(0, 1))
+
+
+def fit_chunks(cfg, chunk: int = 2048) -> list:
+    """The token ids [chunk] whose final hidden states the fit reads: every token, in whole chunks
+    (one compiled shape; the last wraps around)."""
+    v = cfg["vocab"]
+    chunk = min(chunk, v)
+    ids = jnp.arange(-(-v // chunk) * chunk) % v
+    return [ids[i:i + chunk] for i in range(0, ids.shape[0], chunk)]
+
+
+def mask_contexts(cfg):
+    """The random contexts [16, 16] after which the fit averages the mask rows' hidden states."""
+    return jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, cfg["vocab"] - 1)
+
+
+class TargetFactors(NamedTuple):
+    """What the fit reads of the target, whatever the drafter (see `fit_markov_head`)."""
+    hidden: jax.Array  # [V, H] the final hidden state after each single token, in the LM head's dtype
+    q_right: jax.Array  # [V, H] and [H, H]: the QR factors of the LM head, its mean row subtracted
+    r_right: jax.Array
+
+
+def target_factors(target, cfg, chunk: int = 2048) -> TargetFactors:
+    """The part of the fit that depends on the target alone: drafters of every block size share it."""
+    hidden = jnp.concatenate([final_hidden(target, ids) for ids in fit_chunks(cfg, chunk)])[:cfg["vocab"]]
+    right = target.lm_head.weight[...].astype(jnp.float32)
+    right = right - jnp.mean(right, axis=0, keepdims=True)
+    q_right, r_right = jnp.linalg.qr(right)
+    return TargetFactors(hidden, q_right, r_right)
+
+
+def fit_markov_head(target, drafter, cfg, chunk: int = 2048, factors: TargetFactors | None = None):
     """Fit the drafter's Markov head; returns the relative Frobenius error of the rank-r truncation
     (in float32, before the head rounds it to its dtype).
 
@@ -132,39 +196,20 @@ def fit_markov_head(target, drafter, cfg, chunk: int = 2048):
     hidden states times the shared LM head W [V, H], so the bias is (Hs - h) (W - w)^T, with Hs [V, H]
     the target's final hidden state after each single token, h the mask rows' mean hidden state and
     w the mean row of W. Its truncated SVD comes from the QR factors of the two [V, H] matrices and
-    the SVD of an [H, H] matrix: the [V, V] table is never formed (at V = 151936 it would take 92 GB)."""
-    v, layers = cfg["vocab"], cfg["target_layers"]
-    lm_head = target.lm_head.weight[...]  # the target's LM head rounds its input to this dtype
-
-    @nnx.jit
-    def final_hidden(model, ids):  # [c] tokens, each alone at position 0
-        out = model(ids[:, None], jnp.zeros_like(ids), model.init_cache(ids.shape[0], 1), feature_layers=(layers - 1,))
-        return model.model.norm(out.features[:, 0]).astype(lm_head.dtype)
-
-    @nnx.jit
-    def mask_hidden(drafter, model, tokens):  # the mean hidden state of the mask rows after random contexts
-        b, s = tokens.shape
-        out = model(tokens, jnp.zeros(b, jnp.int32), model.init_cache(b, s), feature_layers=drafter.target_layer_ids)
-        ctx = drafter.extend_context(out.features, jnp.zeros(b, jnp.int32), drafter.init_context(b, s + 1))
-        hidden = drafter.hidden(tokens[:, -1], jnp.full(b, s - 1), ctx, embed=model.embed)
-        return jnp.mean(hidden[:, 1:].astype(lm_head.dtype).astype(jnp.float32), axis=(0, 1))
-
-    chunk = min(chunk, v)
-    ids = jnp.arange(-(-v // chunk) * chunk) % v  # whole chunks: one compiled shape
-    hidden = jnp.concatenate([final_hidden(target, ids[i:i + chunk]) for i in range(0, ids.shape[0], chunk)])[:v]
-    sample = jax.random.randint(jax.random.key(cfg["seed"] + 2), (16, 16), 0, v - 1)
-    left = hidden.astype(jnp.float32) - mask_hidden(drafter, target, sample)[None, :]
-    right = lm_head.astype(jnp.float32)
-    right = right - jnp.mean(right, axis=0, keepdims=True)
+    the SVD of an [H, H] matrix: the [V, V] table is never formed (at V = 151936 it would take 92 GB).
+    Hs and the QR factors of W - w depend on the target alone (`target_factors`, computed here unless
+    given); h depends on the drafter and its block size."""
+    if factors is None:
+        factors = target_factors(target, cfg, chunk)
+    left = factors.hidden.astype(jnp.float32) - mask_hidden(drafter, target, mask_contexts(cfg))[None, :]
     q_left, r_left = jnp.linalg.qr(left)
-    q_right, r_right = jnp.linalg.qr(right)
     highest = jax.lax.Precision.HIGHEST
-    u, s, wt = jnp.linalg.svd(jnp.matmul(r_left, r_right.T, precision=highest))
+    u, s, wt = jnp.linalg.svd(jnp.matmul(r_left, factors.r_right.T, precision=highest))
     head = drafter.markov_head
     rank = min(head.markov_rank, s.shape[0])
     root = jnp.sqrt(s[:rank])
     w1 = jnp.matmul(q_left, u[:, :rank], precision=highest) * root
-    w2 = jnp.matmul(q_right, wt[:rank].T, precision=highest) * root
+    w2 = jnp.matmul(factors.q_right, wt[:rank].T, precision=highest) * root
     pad = ((0, 0), (0, head.markov_rank - rank))  # zero columns where the hidden size is below the rank
     head.load_weights(jnp.pad(w1, pad), jnp.pad(w2, pad) / head.logit_scale)
     return float(jnp.sqrt(jnp.sum(s[rank:] ** 2) / jnp.sum(s ** 2)))

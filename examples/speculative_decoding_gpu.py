@@ -17,8 +17,8 @@ A setting is (K, B, mode): B requests (fixed random prompts), greedy or sampled 
 tokens each. Its arms are jitted decode loops (`jax_markov.speculative`): the target alone, and the
 drafter with the eager walk (the pure-JAX reference walking the bf16 head, impl="reference"), the
 int8 kernel (the int8 head, impl="ffi") and the bf16-head kernel (the bf16 head, impl="ffi"; off a
-GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. Each arm is compiled and
-run once, then the arms run in turn (each repeat starting at the next arm) --repeats times; tokens/s
+GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. Each arm is run once
+(untimed), then the arms run in turn (each repeat starting at the next arm) --repeats times; tokens/s
 is B x new tokens over the median wall time of one decode (prefill included, compilation excluded).
 Greedy arms must reproduce the target's own greedy text token for token (the exit status is 1 where
 one does not; the report names the first differing token and the target's logit gap there). The
@@ -35,14 +35,22 @@ context update, walk, rejection sampler, the rest of the step), per loop iterati
 loop iteration. The device memory of the draft path: the head's layouts, the walk's scratch (the
 compiled walk's temp size), the drafter backbone and its context.
 
+Every program of the run (the head fit's, each setting's arms, references, the greedy check's
+forward and the walks whose memory is reported) is compiled before the first is timed, many at once
+(examples/compile_ahead.py; --compile-workers, default one per core as host memory allows): they are
+lowered one after another while a thread pool compiles them and another thread fits the Markov heads
+(the part of the fit that depends on the target alone once for both block sizes). The log gives each
+phase's time, the compilation's wall time (also in the report's .json) and the XLA compilations that
+still happened during the runs. With JAX_COMPILATION_CACHE_DIR set, later runs on the same machine load
+the programs from that folder.
+
 The report is written after every setting (a run cut short keeps what it measured); --merge joins the
-.json of runs over different settings (one GPU, jax, commit and configuration) into one report. Most of
-a run's time is compiling the 36-layer programs: with JAX_COMPILATION_CACHE_DIR set, later runs on the
-same machine load the ones they share (the head fit, the target's programs) from that folder.
+.json of runs over different settings (one GPU, jax, commit and configuration) into one report.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import functools
 import json
@@ -62,31 +70,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a script: `examples` and `benchmarks` import from the repository root, put last
     sys.path.append(str(ROOT))  # so that an installed jax_markov comes first
 
-from benchmarks.gpu_measure import memory_per_call  # noqa: E402
-from benchmarks.gpu_report import ARMS  # noqa: E402
+from benchmarks import gpu_measure  # noqa: E402
 from benchmarks.gpu_timing import command_line, commit, results_name  # noqa: E402
-from examples import decode_profile  # noqa: E402
+from examples import compile_ahead, decode_profile  # noqa: E402
 from examples import speculative_decoding as toy  # noqa: E402
+from examples.speculative_gpu_report import (ARM_NAMES, QWEN3_4B_VOCAB, WALK_ARMS,  # noqa: E402
+                                             merge_reports, write_report)
 from jax_markov import speculative as sp  # noqa: E402
 
 RESULTS = ROOT / "examples" / "results"
 # The target and drafter sizes (keys as in the toy example's configuration).
-QWEN3_4B = dict(vocab=151936, hidden=2560, intermediate=9728, target_layers=36, heads=32, kv_heads=8, head_dim=128,
-                drafter_layers=1, dtype="bfloat16", markov_rank=256, bigram_rank=128, sharpness=5.0,
+QWEN3_4B = dict(vocab=QWEN3_4B_VOCAB, hidden=2560, intermediate=9728, target_layers=36, heads=32, kv_heads=8,
+                head_dim=128, drafter_layers=1, dtype="bfloat16", markov_rank=256, bigram_rank=128, sharpness=5.0,
                 context_scale=0.005, prompt_len=32, new_tokens=512, seed=0)
 TINY = dict(QWEN3_4B, vocab=512, hidden=64, intermediate=128, target_layers=2, heads=4, kv_heads=2, head_dim=16,
             markov_rank=32, bigram_rank=16, context_scale=0.05, prompt_len=8, new_tokens=24)
 SETTINGS = [(k, b, mode) for mode in ("greedy", "sampled") for k in (7, 16) for b in (1, 16)]
-WALK_ARMS = ("eager", "kernel-int8", "kernel-bf16")  # the drafter's arms, named as benchmarks/gpu_report.ARMS
-ARM_NAMES = dict(target="target alone", **{arm: ARMS[arm] for arm in WALK_ARMS})
-# The published kernel of this design end to end on Qwen3-4B, one H100: output tokens/s of the int8
-# kernel over the eager walk (vLLM's sequential loop on the bf16 head), in percent, by (K, B, mode).
-# Source: issue 66, quoting the kernel's publication (shared/PEERS.md: "+4.3% to +11.7% output
-# tokens/s over the eager loop"); sampled figures were published at batch 1 only.
-PUBLISHED_GAIN_PERCENT = {(7, 1, "greedy"): 4.3, (7, 16, "greedy"): 4.6, (16, 1, "greedy"): 9.3,
-                          (16, 16, "greedy"): 8.8, (7, 1, "sampled"): 5.5, (16, 1, "sampled"): 11.7}
-PARTS = (*dict.fromkeys(decode_profile.PARTS.values()), decode_profile.REST)  # the verify step's columns
-MB = 1e6
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,14 +123,23 @@ def decode_runs(target, drafters, cfg, batch: int, mode: str, arms) -> dict:
     return runs
 
 
+def reference_run(target, cfg, setting):
+    """The greedy reference of a setting: the target decoding alone on the verify step's K + 1 query rows."""
+    block_size, batch, _ = setting
+    prompt, lengths = prompts(cfg, batch)
+    return functools.partial(sp.target_decode, target, prompt, lengths, max_new_tokens=cfg["new_tokens"],
+                             verify_block_size=block_size)
+
+
 def time_interleaved(runs: dict, repeats: int, log):
-    """Each run compiled and run once, then all of them in turn, `repeats` times, each repeat starting
-    at the next run. Returns ({name: first result}, {name: [seconds]})."""
+    """Each run once (its result kept; the first call of its executable, not timed), then all of them
+    in turn, `repeats` times, each repeat starting at the next run. Returns ({name: first result},
+    {name: [seconds]})."""
     results, seconds = {}, {name: [] for name in runs}
     for name, fn in runs.items():
         start = time.perf_counter()
         results[name] = jax.block_until_ready(fn())
-        log(f"    {name}: compiled and ran in {time.perf_counter() - start:.1f} s")
+        log(f"    {name}: first run in {time.perf_counter() - start:.1f} s")
     names = list(runs)
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -166,16 +174,25 @@ def divergences(target, result, reference) -> list[dict]:
                  logit_gap=float(logits[b, want[b, first[b]]] - logits[b, got[b, first[b]]])) for b in differing]
 
 
-def draft_memory(target, drafters, cfg, block_size: int, batch: int, mode: str, arms) -> dict:
-    """{arm: bytes of the head's layouts, the walk's scratch (the compiled walk's temp size), the
-    drafter's backbone and its context} at the decode loop's shapes."""
-    drafter = drafters["bf16 head"]
-    total = cfg["prompt_len"] + cfg["new_tokens"] + block_size + 1
+def walk_arguments(drafters, cfg, setting, arm) -> tuple:
+    """(arm, mode, head, base, anchor, inputs) of one walk of an arm at a setting's shapes, as
+    `benchmarks.gpu_measure.walk_program` takes them (its mode names: "probabilistic" for sampled
+    walks, which return bf16 draft logits)."""
+    block_size, batch, mode = setting
     prompt, _ = prompts(cfg, batch)
     sampling = sampling_arguments(cfg, mode, batch)
-    walk_inputs = dict(sampling, position=jnp.full((batch,), cfg["prompt_len"], jnp.int32)) if sampling else {}
-    walk_mode = "probabilistic" if sampling else "greedy"  # gpu_measure's name: bf16 draft logits returned
+    inputs = dict(sampling, position=jnp.full((batch,), cfg["prompt_len"], jnp.int32)) if sampling else {}
     base = jnp.zeros((batch, block_size, cfg["vocab"]), jnp.float32)
+    return (arm, "probabilistic" if sampling else "greedy", arm_drafter(drafters, arm).markov_head.head(), base,
+            prompt[:, -1], inputs)
+
+
+def draft_memory(drafters, cfg, setting, arms, walks: dict) -> dict:
+    """{arm: bytes of the head's layouts, the walk's scratch (the temp size of the arm's compiled walk
+    in `walks`), the drafter's backbone and its context} at the decode loop's shapes."""
+    block_size, batch, _ = setting
+    drafter = drafters["bf16 head"]
+    total = cfg["prompt_len"] + cfg["new_tokens"] + block_size + 1
 
     def nbytes(tree):
         return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
@@ -183,23 +200,20 @@ def draft_memory(target, drafters, cfg, block_size: int, batch: int, mode: str, 
     shared = dict(drafter_bytes=nbytes(nnx.state(drafter)) - nbytes(nnx.state(drafter.markov_head)),
                   context_bytes=nbytes(jax.eval_shape(lambda: drafter.init_context(batch, total))))
     heads = {arm: arm_drafter(drafters, arm).markov_head.head() for arm in arms}
-    return {arm: dict(shared, head_bytes=int(heads[arm].nbytes), walk_scratch_bytes=memory_per_call(
-        arm, walk_mode, heads[arm], base, prompt[:, -1], walk_inputs)["scratch_bytes"]) for arm in arms}
+    return {arm: dict(shared, head_bytes=int(heads[arm].nbytes),
+                      walk_scratch_bytes=gpu_measure.memory_of(heads[arm], walks[arm])["scratch_bytes"])
+            for arm in arms}
 
 
-def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log) -> list[dict]:
+def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, walks: dict) -> list[dict]:
     """One row per arm of a setting (K, B, mode): tokens/s, acceptance, the greedy check against the
     reference (the target decoded on the verify step's K + 1 query rows), the verify step's parts
-    from a profile of one decode and the draft path's memory."""
+    from a profile of one decode and the draft path's memory (walks: {arm: its compiled walk})."""
     block_size, batch, mode = setting
     runs = decode_runs(target, drafters, cfg, batch, mode, arms)
     results, seconds = time_interleaved(runs, repeats, log)
-    reference = None
-    if mode == "greedy":
-        prompt, lengths = prompts(cfg, batch)
-        reference = jax.block_until_ready(sp.target_decode(target, prompt, lengths, max_new_tokens=cfg["new_tokens"],
-                                                           verify_block_size=block_size))
-    memory = draft_memory(target, drafters, cfg, block_size, batch, mode, arms)
+    reference = jax.block_until_ready(reference_run(target, cfg, setting)()) if mode == "greedy" else None
+    memory = draft_memory(drafters, cfg, setting, arms, walks)
     rows = []
     for arm, result in results.items():
         median = statistics.median(seconds[arm])
@@ -224,236 +238,85 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log) -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# the report
+# every program compiled before the runs
 
 
-def row_key(r: dict) -> tuple:
-    return r["block_size"], r["batch"], r["mode"], r["arm"]
+def program_key(setting, arm: str) -> tuple:
+    """The key of an arm's decode program; the target alone's does not depend on K."""
+    block_size, batch, mode = setting
+    return ("target", batch, mode) if arm == "target" else (arm, block_size, batch, mode)
 
 
-def gains(rows: list[dict]) -> dict:
-    """{row_key: dict(gain=, iteration_gain=, speedup=)}: a drafter arm's gain in tokens/s over the eager
-    walk at the same setting and that of its loop iterations' speed (eager ms per iteration over the
-    arm's, which acceptance does not change), in percent; every arm's speedup over the target alone.
-    None where the arm compared with was not measured."""
-    by_key = {row_key(r): r for r in rows}
-    out = {}
-    for r in rows:
-        eager, alone = by_key.get((*row_key(r)[:3], "eager")), by_key.get((*row_key(r)[:3], "target"))
-        compared = eager is not None and r["arm"] != "target"
-        out[row_key(r)] = dict(
-            gain=100.0 * (r["tokens_per_s"] / eager["tokens_per_s"] - 1.0) if compared else None,
-            iteration_gain=100.0 * (eager["ms_per_iteration"] / r["ms_per_iteration"] - 1.0) if compared else None,
-            speedup=None if alone is None else r["tokens_per_s"] / alone["tokens_per_s"])
+def programs(target, structures: dict, cfg, settings, arms) -> dict:
+    """{key: a function that lowers the program}: every program a run compiles (structures: {K:
+    (drafter, arm drafters)}, `toy.drafter_arms`). The fit's (the target's hidden states, the mask
+    rows' per K) first, then per setting: the decode arms, the greedy reference and the forward that
+    the greedy check runs where a text differs, and each walk arm whose scratch memory is reported."""
+    out = {("fit", "hidden"): functools.partial(toy.final_hidden.lower, target, toy.fit_chunks(cfg)[0])}
+    for block_size, (drafter, _) in structures.items():
+        out[("fit", "mask", block_size)] = functools.partial(toy.mask_hidden.lower, drafter, target,
+                                                             toy.mask_contexts(cfg))
+    for setting in settings:
+        block_size, batch, mode = setting
+        drafters = structures[block_size][1]
+        for arm, run in decode_runs(target, drafters, cfg, batch, mode, arms).items():
+            out[program_key(setting, arm)] = functools.partial(run, lower=True)
+        if mode == "greedy":
+            out[("reference", block_size, batch)] = functools.partial(reference_run(target, cfg, setting), lower=True)
+            tokens = jnp.zeros((batch, cfg["prompt_len"] + cfg["new_tokens"]), jnp.int32)  # as `divergences` calls it
+            out[("logits_at", batch)] = functools.partial(logits_at.lower, target, tokens, jnp.ones(batch, jnp.int32))
+        for arm in arms:
+            out[("walk", arm, *setting)] = functools.partial(gpu_measure.walk_program,
+                                                             *walk_arguments(drafters, cfg, setting, arm))
     return out
 
 
-def fmt(value, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+def fit_heads(target, structures: dict, cfg, ahead, log) -> dict:
+    """{K: fit error}: each block size's drafter's head fitted (`toy.fit_markov_head`), what depends on
+    the target alone computed once for all of them; each program waits for its compiled executable."""
+    ahead.result(("fit", "hidden"))
+    start = time.perf_counter()
+    factors = jax.block_until_ready(toy.target_factors(target, cfg))
+    log(f"  fit: the target's hidden state after every token and the LM head's QR in "
+        f"{time.perf_counter() - start:.1f} s")
+    errors = {}
+    for block_size, (drafter, _) in structures.items():
+        ahead.result(("fit", "mask", block_size))
+        start = time.perf_counter()
+        errors[block_size] = toy.fit_markov_head(target, drafter, cfg, factors=factors)
+        log(f"  fit for K = {block_size} in {time.perf_counter() - start:.1f} s: relative error "
+            f"{errors[block_size]:.2e}")
+    return errors
 
 
-def percent(value) -> str:
-    return "" if value is None else f"{value:+.1f}%"
-
-
-def where(divergences: list[dict]) -> str:
-    return "; ".join(f"request {d['request']} from new token {d['new_token']} (target logit gap {d['logit_gap']:.3g})"
-                     for d in divergences)
-
-
-def check_text(r: dict) -> str:
-    if r["arm"] == "target":  # timed as the plain decode: one query row per forward
-        if "divergences" not in r:
-            return ""
-        return ("the reference's text" if not r["divergences"] else
-                f"not the reference's text (1-row forwards round otherwise: no failure): {where(r['divergences'])}")
-    if r["mode"] == "sampled":
-        return f"{r['accepted']} of {r['drafted']} drafts accepted"
-    if not r["divergences"]:
-        return "identical to the target's greedy text"
-    return "DIFFERS from the target's greedy text: " + where(r["divergences"])
-
-
-def summary(rows: list[dict]) -> list[str]:
-    """The int8 kernel against the eager walk at every setting, against the published gains, and the
-    greedy check."""
-    gain = gains(rows)
-    kernel = [r for r in rows if r["arm"] == "kernel-int8" and gain[row_key(r)]["gain"] is not None]
-    beats = [r for r in kernel if gain[row_key(r)]["gain"] > 0]
-    faster = [r for r in kernel if gain[row_key(r)]["iteration_gain"] > 0]
-    published = [r for r in kernel if row_key(r)[:3] in PUBLISHED_GAIN_PERCENT]
-    above = [r for r in published if gain[row_key(r)]["gain"] > PUBLISHED_GAIN_PERCENT[row_key(r)[:3]]]
-    greedy = [r for r in rows if r["mode"] == "greedy" and r["arm"] != "target"]
-    differing = [r for r in greedy if r["divergences"]]
-    plain = [r for r in rows if r["arm"] == "target" and "divergences" in r]
-    lines = [f"- the int8 kernel's tokens/s beat the eager walk's at {len(beats)} of {len(kernel)} settings, and by "
-             f"more than the published gain at {len(above)} of the {len(published)} settings that have one; its loop "
-             f"iterations were faster than the eager walk's at {len(faster)} of {len(kernel)}",
-             "- greedy output equal to the target's own greedy decoding (the reference), token for token: "
-             f"{len(greedy) - len(differing)} of {len(greedy)} greedy drafter arms"
-             + (" (see the check column)" if differing else "")]
-    if plain:
-        lines.append(f"- the timed target alone (one query row per forward) gave the reference's text at "
-                     f"{sum(not r['divergences'] for r in plain)} of {len(plain)} greedy settings")
-    return lines
-
-
-def title(report: dict) -> str:
-    shape = "Qwen3-4B's shape" if report["config"]["vocab"] == QWEN3_4B["vocab"] else "a toy of Qwen3-4B's structure"
-    return f"Speculative decoding at {shape} on {report['device']}"
-
-
-def markdown(report: dict) -> str:
-    cfg, rows = report["config"], sorted(report["rows"], key=lambda r: (
-        r["mode"] != "greedy", r["block_size"], r["batch"], list(ARM_NAMES).index(r["arm"])))
-    gain = gains(rows)
-    repeats = "/".join(sorted({str(len(r["seconds"])) for r in rows}))  # merged runs may differ
-    fits = ", ".join(f"K = {k}: {e:.2e}" for k, e in sorted(report["fit_errors"].items(), key=lambda kv: int(kv[0])))
-    method = next((r["parts_method"] for r in rows if "parts_method" in r), "not measured")
-    lines = [f"# {title(report)}", ""]
-    lines += [f"- command: `{run['command']}` ({run['date']})" for run in report["runs"]]
-    if report.get("merge_command"):
-        lines.append(f"- merged into one report by `{report['merge_command']}`")
-    lines += [
-        f"- device: {report['device']}; jax {report['jax']}, jaxlib {report['jaxlib']}, flax {report['flax']}, "
-        f"Python {report['python']}",
-        f"- commit: {report['commit']}",
-        "",
-        "## Setup",
-        "",
-        f"- target: Qwen3-style `CausalLM`, {cfg['target_layers']} layers, hidden {cfg['hidden']}, intermediate "
-        f"{cfg['intermediate']}, {cfg['heads']} query / {cfg['kv_heads']} KV heads of {cfg['head_dim']}, vocabulary "
-        f"{cfg['vocab']}, {cfg['dtype']} weights (untied LM head), float32 KV cache; random weights with a "
-        f"rank-{cfg['bigram_rank']} bigram structure (scale {cfg['sharpness']:g}) and a context term from every "
-        f"layer (context scale {cfg['context_scale']:g}) (`jax_markov.flax.bigram_lm`).",
-        f"- drafter: `DSparkDrafter`, {cfg['drafter_layers']} layer of the target's width ({cfg['dtype']}, random "
-        f"backbone), reading 3 of the target's layers, sharing its embedding and LM head; Markov head of rank "
-        f"{cfg['markov_rank']} fitted to the target's bigram table minus the drafter's mask-row logits "
-        f"(examples/speculative_decoding.py: `fit_markov_head`; relative error of the rank-r truncation: {fits}); "
-        "the eager walk and the bf16-head kernel walk that head in bf16, the int8 kernel its per-row int8 W2.",
-        f"- B requests with fixed prompts of {cfg['prompt_len']} random tokens, {cfg['new_tokens']} new tokens each, "
-        "greedy or sampled at T = 1 (sampled walks return bf16 draft logits); every arm is one jitted "
-        "`lax.while_loop` (`jax_markov.speculative`).",
-        f"- tokens/s: B x new tokens over the median wall time of one decode (prefill included, compilation "
-        f"excluded; range: slowest and fastest run), the arms run in turn, {repeats} times each. "
-        "Gain: over the eager walk's tokens/s at the same setting. Mean acceptance length: tokens per verify step "
-        "(accepted drafts + 1). ms per iteration: the median decode over its loop iterations; iteration gain: the "
-        "eager walk's ms per iteration over the arm's, a speed that acceptance does not change (a sampled int8 "
-        "arm drafts other tokens than the bf16 arms, so its text and acceptance length vary apart from theirs).",
-        "- greedy reference: `target_decode(..., verify_block_size=K)`, the target alone, one token per forward, "
-        "each forward on K + 1 query rows (the last token, then the text buffer's padding) over a KV cache of the "
-        "verify step's length, keeping row 0: the GEMMs and the attention of every position have the verify "
-        "step's shapes, and a row's result does not depend on the other rows, so every position's logits round "
-        "as in the verify step (tests/test_speculative.py). The target-alone arm is timed as the plain decode (one "
-        "query row per forward), whose text can differ from the reference at near-ties that 1-row GEMMs round "
-        f"otherwise (its check column). XLA_FLAGS: `{report.get('xla_flags') or 'none'}`.",
-        f"- verify step: from a profile of one decode of each arm ({method}, `examples/decode_profile.py`): the "
-        "time of every op of the loop, per loop iteration, goes to the part whose named scope its HLO op name holds "
-        "(`jax_markov.speculative.STEP_SCOPES`; the drafter includes its context update, the rejection sampler the "
-        "target's argmax); rest: ops of no part (the text and cache updates, the loop's control, ops that XLA fused "
-        "across parts); the prefill is left out. Sum: the loop's profiled time per iteration, beside the timed loop "
-        "iteration (wall time, which adds the prefill's share and the idle gaps between kernels).",
-        "- published: the gain in output tokens/s of the published int8 kernel over its eager walk end to end on "
-        "Qwen3-4B, one H100 (issue 66; shared/PEERS.md).",
-        "",
-        "## Summary",
-        "",
-        *summary(rows),
-        "",
-        "## Output tokens per second",
-        "",
-        "| K | B | mode | arm | tokens/s | range | gain vs eager | published gain | speedup vs target "
-        "| mean acceptance length | loop iterations | ms per iteration | iteration gain vs eager | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = gain[row_key(r)]
-        published = PUBLISHED_GAIN_PERCENT.get(row_key(r)[:3]) if r["arm"] == "kernel-int8" else None
-        lo, hi = r["tokens_per_s_range"]
-        lines.append(f"| {r['block_size']} | {r['batch']} | {r['mode']} | {ARM_NAMES[r['arm']]} | "
-                     f"{r['tokens_per_s']:.1f} | {lo:.1f}-{hi:.1f} | {percent(g['gain'])} | {percent(published)} | "
-                     f"{fmt(g['speedup'], '.2f')}x | {fmt(r.get('acceptance_length'), '.3f')} | {r['iterations']} | "
-                     f"{r['ms_per_iteration']:.2f} | {percent(g['iteration_gain'])} | {check_text(r)} |")
-    lines += ["", "## One verify step", "",
-              "| K | B | mode | arm | " + " | ".join(f"{part} ms" for part in PARTS)
-              + " | sum ms | loop iteration ms (timed) | sum / loop iteration | walk share of the sum |",
-              "|---|---|---|---|" + "---|" * (len(PARTS) + 4)]
-    for r in rows:
-        if r["arm"] != "target":
-            p = r["parts_ms"]
-            total = sum(p.get(part, 0.0) for part in PARTS)
-            lines.append(f"| {r['block_size']} | {r['batch']} | {r['mode']} | {ARM_NAMES[r['arm']]} | "
-                         + " | ".join(f"{p.get(part, 0.0):.3f}" for part in PARTS)
-                         + f" | {total:.3f} | {r['ms_per_iteration']:.3f} | {total / r['ms_per_iteration']:.2f} | "
-                         f"{p['walk'] / total:.1%} |")
-    lines += ["", "## Device memory of the draft path", "",
-              "| K | B | mode | arm | head MB | walk scratch MB | drafter backbone MB | drafter context MB |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["arm"] != "target":
-            lines.append(f"| {r['block_size']} | {r['batch']} | {r['mode']} | {ARM_NAMES[r['arm']]} | "
-                         f"{r['head_bytes'] / MB:.1f} | {r['walk_scratch_bytes'] / MB:.1f} | "
-                         f"{r['drafter_bytes'] / MB:.1f} | {r['context_bytes'] / MB:.1f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: Path) -> None:
-    """Bars of every arm's tokens/s per setting, the gain over the eager walk on the drafter arms and,
-    where published, the published gain as a mark above the eager bar; nothing without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    rows = report["rows"]
-    settings = sorted({row_key(r)[:3] for r in rows}, key=lambda s: (s[2] != "greedy", s[0], s[1]))
-    arms = [a for a in ARM_NAMES if any(r["arm"] == a for r in rows)]
-    by_key, gain = {row_key(r): r for r in rows}, gains(rows)
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(settings)), 5))
-    width = 0.8 / len(arms)
-    for i, arm in enumerate(arms):
-        placed = [(x + i * width, by_key[(*s, arm)]) for x, s in enumerate(settings) if (*s, arm) in by_key]
-        ax.bar([x for x, _ in placed], [r["tokens_per_s"] for _, r in placed], width, label=ARM_NAMES[arm])
-        for x, r in placed:
-            g = gain[row_key(r)]["gain"]
-            if arm != "eager" and g is not None:
-                ax.annotate(f"{g:+.1f}%", (x, r["tokens_per_s"]), ha="center", va="bottom", fontsize=7)
-    marks = [(x + arms.index("kernel-int8") * width, by_key[(*s, "eager")]["tokens_per_s"]
-              * (1 + PUBLISHED_GAIN_PERCENT[s] / 100)) for x, s in enumerate(settings)
-             if s in PUBLISHED_GAIN_PERCENT and (*s, "eager") in by_key and "kernel-int8" in arms]
-    if marks:  # on the int8 kernel's bar: the tokens/s that the published gain would give it
-        ax.scatter(*zip(*marks), marker="_", s=200, color="k", zorder=3, label="eager x (1 + published gain)")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(settings))])
-    ax.set_xticklabels([f"K={k} B={b}\n{mode}" for k, b, mode in settings], fontsize=8)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title(report))
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_report(report: dict, prefix) -> str:
-    """<prefix>.md, .json and (with matplotlib) .png; returns the markdown."""
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    text = markdown(report)
-    prefix.with_suffix(".md").write_text(text)
-    prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, prefix.with_suffix(".png"))
-    return text
-
-
-def merge_reports(reports: list[dict], merge_command: str) -> dict:
-    """One report from several runs' of one device, jax, commit and configuration; a row measured in
-    more than one run is the later run's. Raises ValueError where they do not belong together."""
-    for field in ("device", "jax", "commit", "config"):
-        if len({json.dumps(r[field], sort_keys=True) for r in reports}) > 1:
-            raise ValueError(f"the reports differ in {field}")
-    rows = {row_key(row): row for r in reports for row in r["rows"]}
-    fit_errors = {k: e for r in reports for k, e in r["fit_errors"].items()}
-    return dict(reports[0], runs=[run for r in reports for run in r["runs"]], rows=list(rows.values()),
-                fit_errors=fit_errors, merge_command=merge_command)
+def build_and_compile(target, cfg, settings, arms, workers: int | None, log):
+    """The drafters of every block size, their heads fitted, and every program of the run compiled:
+    the programs lowered here, one after another, and compiled on a thread pool; meanwhile the heads
+    are fitted on a thread of their own (their programs first), and loaded into the arms' drafters
+    once every program is lowered. Returns ({K: arm drafters}, {K: fit error}, the compiled walks
+    {(arm, K, B, mode): ...}, the compilation's dict from `AheadOfTime.wait`)."""
+    structures = {k: toy.drafter_arms(cfg, target, k) for k in sorted({k for k, _, _ in settings})}
+    log("built the drafters")
+    plan = programs(target, structures, cfg, settings, arms)
+    workers = workers or compile_ahead.default_workers(len(plan))
+    log(f"lowering {len(plan)} programs, compiling them on {workers} threads; fitting the heads meanwhile")
+    ahead = compile_ahead.AheadOfTime(workers, log)
+    for key in [key for key in plan if key[0] == "fit"]:
+        ahead.submit(key, plan[key])
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fit") as fitter:
+        fitted = fitter.submit(fit_heads, target, structures, cfg, ahead, log)
+        for key, lower in plan.items():
+            ahead.submit(key, lower)
+        log(f"lowered {len(plan)} programs in {ahead.lowering_s:.1f} s")
+        fit_errors = fitted.result()
+    for drafter, drafters in structures.values():
+        toy.load_fitted_head(drafter, drafters)  # values only: the programs compiled for them still apply
+    compiled = ahead.wait()
+    log(f"compiled {compiled['programs']} programs in {compiled['wall_s']:.1f} s on {workers} threads (lowering "
+        f"{compiled['lowering_s']:.1f} s, compilation {compiled['compile_s']:.1f} s in all, the longest "
+        f"{compiled['longest_s']:.1f} s: {compiled['longest']})")
+    walks = {key[1:]: ahead.result(key) for key in plan if key[0] == "walk"}
+    return {k: drafters for k, (_, drafters) in structures.items()}, fit_errors, walks, compiled
 
 
 # ------------------------------------------------------------------------------------------------
@@ -486,6 +349,8 @@ def parser():
     p.add_argument("--out", help="output prefix (.md, .json, .png); default "
                                  "examples/results/speculative_decoding_<gpu>, <gpu> from the device (h100, h200)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join these reports (no device needed)")
+    p.add_argument("--compile-workers", type=int,
+                   help="programs compiled at once (default: one per core, as host memory allows)")
     return p
 
 
@@ -548,16 +413,25 @@ def main(argv=None) -> int:
     log(f"{device.device_kind}, jax {jax.__version__}; settings {args.settings}, arms {args.arms}")
     target = toy.build_target(cfg)
     log("built the target")
-    drafters = {}
-    for block_size in sorted({k for k, _, _ in args.settings}):
-        _, drafters[block_size], fit_error = toy.build_drafters(cfg, target, block_size)
-        report["fit_errors"][str(block_size)] = fit_error
-        log(f"fitted the drafter's head for K = {block_size}: relative error {fit_error:.2e}")
-    for setting in args.settings:
-        log(f"setting K={setting[0]} B={setting[1]} {setting[2]}")
-        report["rows"] += measure_setting(target, drafters[setting[0]], cfg, setting, args.arms, args.repeats, log)
-        write_report(report, out)
-    print(markdown(report))
+    drafters, fit_errors, walks, compiled = build_and_compile(target, cfg, args.settings, args.arms,
+                                                              args.compile_workers, log)
+    report["fit_errors"] = {str(k): e for k, e in fit_errors.items()}
+    report["runs"][0]["compile"] = compiled
+    runs_started = time.perf_counter()
+    with compile_ahead.compilations() as late:
+        for i, setting in enumerate(args.settings):
+            started = time.perf_counter()
+            log(f"setting K={setting[0]} B={setting[1]} {setting[2]}")
+            report["rows"] += measure_setting(target, drafters[setting[0]], cfg, setting, args.arms, args.repeats,
+                                              log, {arm: walks[(arm, *setting)] for arm in args.arms})
+            write_report(report, out)
+            left, pace = len(args.settings) - i - 1, (time.perf_counter() - runs_started) / (i + 1)
+            log(f"setting done in {time.perf_counter() - started:.1f} s"
+                + (f"; {left} to go, about {left * pace:.0f} s at this pace" if left else ""))
+    report["runs"][0]["compiled_during_runs"] = late.names  # eager ops' small programs; no decode loop's
+    names = sorted(set(late.names))
+    log(f"XLA compilations during the runs: {len(late.names)}" + (f" ({', '.join(names)})" if names else ""))
+    print(write_report(report, out))
     log(f"report written to {out}.md")
     differing = [r for r in report["rows"] if r["arm"] != "target" and r.get("divergences")]
     if differing:

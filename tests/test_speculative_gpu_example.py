@@ -2,6 +2,9 @@
 arms run the CPU custom call), and the head fit it shares with examples/speculative_decoding.py:
 
 - the factored fit is the truncated SVD of the dense bias matrix that the toy example used to form;
+- drafters of two block sizes fitted from one computation of the target's factors get the heads that
+  fitting each alone gives;
+- a run compiles every program it runs before the first run, and none of them again during the runs;
 - a run writes a report whose every arm ran, whose greedy arms reproduce the target's greedy text
   (the reference: the target on the verify step's K + 1 query rows), whose verify-step parts (from a
   profile of one decode) and memory are measured; the greedy check finds a planted difference;
@@ -16,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from examples import speculative_decoding as toy
 from examples import speculative_decoding_gpu as gpu_example
+from examples import speculative_gpu_report as gpu_report
 from jax_markov import flax as jmf
 from jax_markov import speculative as sp
 
@@ -50,6 +55,19 @@ def test_factored_fit_is_the_truncated_svd_of_the_dense_bias():
     assert 0.01 < error < 1 and error == pytest.approx(dense_error, rel=1e-3)
 
 
+def test_drafters_of_every_block_size_share_the_targets_factors_and_fit_as_alone():
+    cfg = dict(gpu_example.TINY)
+    target = toy.build_target(cfg)
+    factors = toy.target_factors(target, cfg)
+    for block_size in (3, 7):
+        _, alone, error = toy.build_drafters(cfg, target, block_size)
+        _, shared, shared_error = toy.build_drafters(cfg, target, block_size, factors=factors)
+        assert shared_error == error  # the mask rows' mean hidden state differs with K: the fit too
+        for name in alone:
+            for a, b in zip(jax.tree.leaves(nnx.state(alone[name])), jax.tree.leaves(nnx.state(shared[name]))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_example") / "tiny"
@@ -61,8 +79,8 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
     status, out, report = tiny_run
     assert status == 0
     cfg = gpu_example.TINY
-    assert {gpu_example.row_key(r) for r in report["rows"]} == {
-        (3, 2, mode, arm) for mode in ("greedy", "sampled") for arm in ("target", *gpu_example.WALK_ARMS)}
+    assert {gpu_report.row_key(r) for r in report["rows"]} == {
+        (3, 2, mode, arm) for mode in ("greedy", "sampled") for arm in ("target", *gpu_report.WALK_ARMS)}
     v, r = cfg["vocab"], cfg["markov_rank"]
     head_bytes = {"eager": 2 * v * r * 2, "kernel-bf16": 2 * v * r * 2, "kernel-int8": v * r * 2 + v * r + v * 4}
     for row in report["rows"]:
@@ -81,7 +99,7 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
             assert 0 < row["accepted"] <= row["drafted"]
         # the verify step from a profile of one decode: every part and the rest, each op counted once
         parts = row["parts_ms"]
-        assert set(parts) == set(gpu_example.PARTS) and min(parts.values()) >= 0
+        assert set(parts) == set(gpu_report.PARTS) and min(parts.values()) >= 0
         assert min(parts[p] for p in ("target forward", "drafter", "walk")) > 0
         assert row["head_bytes"] == head_bytes[row["arm"]]
         assert row["walk_scratch_bytes"] >= 0 and row["drafter_bytes"] > 0 and row["context_bytes"] > 0
@@ -90,6 +108,19 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
     assert text.count("identical to the target's greedy text") == 3
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_run_compiles_its_programs_before_the_runs_and_none_of_them_during_the_runs(tiny_run):
+    _, _, report = tiny_run
+    run = report["runs"][0]
+    # the fit's (the target's hidden states, the mask rows at K = 3), per setting the target alone, the
+    # 3 drafter arms and their 3 walks, the greedy setting's reference and the check's forward
+    assert run["compile"]["programs"] == 2 + 2 * (1 + 3 + 3) + 2
+    assert run["compile"]["wall_s"] >= run["compile"]["longest_s"] > 0
+    programs = {"jit(_speculative)", "jit(_autoregressive)", "jit(logits_at)", "jit(<lambda>)", "jit(final_hidden)",
+                "jit(mask_hidden)"}
+    assert not programs & set(run["compiled_during_runs"])  # eager ops' small programs only
+    assert "compiled 18 programs in" in gpu_report.markdown(report)
 
 
 def test_the_greedy_check_finds_a_difference_and_the_targets_margin_there():
@@ -119,12 +150,12 @@ def test_the_summary_counts_the_settings_above_the_eager_walk_and_the_published_
                           ((7, 16, "greedy"), 0.9)):
         rows += [row(*setting, "eager", 100.0, 10.0), row(*setting, "kernel-int8", 100.0 * gain, 8.0)]
     rows[-1]["divergences"] = [dict(request=0, new_token=3, logit_gap=0.0)]
-    lines = gpu_example.summary(rows)
+    lines = gpu_report.summary(rows)
     assert "beat the eager walk's at 3 of 4 settings" in lines[0]
     assert "more than the published gain at 1 of the 3 settings that have one" in lines[0]
     assert "iterations were faster than the eager walk's at 4 of 4" in lines[0]
     assert "5 of 6 greedy drafter arms" in lines[1]  # the eager and int8 arms of 3 greedy settings
-    gains = gpu_example.gains(rows)
+    gains = gpu_report.gains(rows)
     assert gains[(7, 1, "greedy", "kernel-int8")]["gain"] == pytest.approx(5.0)
     assert gains[(7, 1, "greedy", "kernel-int8")]["iteration_gain"] == pytest.approx(25.0)  # 10 ms -> 8 ms
     assert gains[(7, 1, "greedy", "eager")] == dict(gain=0.0, iteration_gain=0.0, speedup=None)
@@ -134,12 +165,12 @@ def test_merge_joins_settings_and_refuses_other_commits(tiny_run):
     _, _, report = tiny_run
     greedy = dict(report, rows=[r for r in report["rows"] if r["mode"] == "greedy"])
     sampled = dict(report, rows=[r for r in report["rows"] if r["mode"] == "sampled"])
-    merged = gpu_example.merge_reports([greedy, sampled], "merge")
-    assert sorted(map(gpu_example.row_key, merged["rows"])) == sorted(map(gpu_example.row_key, report["rows"]))
+    merged = gpu_report.merge_reports([greedy, sampled], "merge")
+    assert sorted(map(gpu_report.row_key, merged["rows"])) == sorted(map(gpu_report.row_key, report["rows"]))
     assert len(merged["runs"]) == 2 and merged["merge_command"] == "merge"
-    assert "merged into one report by `merge`" in gpu_example.markdown(merged)
+    assert "merged into one report by `merge`" in gpu_report.markdown(merged)
     with pytest.raises(ValueError, match="commit"):
-        gpu_example.merge_reports([greedy, dict(sampled, commit="other")], "merge")
+        gpu_report.merge_reports([greedy, dict(sampled, commit="other")], "merge")
 
 
 def test_off_a_gpu_the_report_needs_a_name():
