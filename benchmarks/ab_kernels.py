@@ -89,7 +89,8 @@ def per_config(durations: list[float], configs: list[str]) -> dict[str, list[flo
     """Splits one run's durations into the launches of each config (in the order given)."""
     expected = sum(launches(c) for c in configs)
     if len(durations) != expected:
-        raise ValueError(f"ncu reported {len(durations)} kernel launches, the configs make {expected}")
+        raise ValueError(f"ncu reported {len(durations)} kernel launches, the configs make {expected} (a sampled "
+                         "call's guarded pairs launch twice: time them with --timer profiler)")
     out, i = {}, 0
     for c in configs:
         out[c] = durations[i:i + launches(c)]
@@ -202,11 +203,13 @@ def main() -> None:
     args = p.parse_args(argv[:argv.index("--")])
     configs = argv[argv.index("--") + 1:]
     trees = [Path(t) for t in args.trees]
+    names = {t: tree_name(t) for t in trees}
+    if len(set(names.values())) != len(trees):  # the tables' columns, and each tree's build folder
+        p.error(f"the trees' folders need distinct names, got {[names[t] for t in trees]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(len(trees)) as pool:
         list(pool.map(build, trees))
-    names = {t: tree_name(t) for t in trees}
     if args.tokens:
         token_configs = args.tokens.split()
         printed = {names[t]: parse_tokens(run_in_tree(t, [sys.executable, "benchmarks/profile_kernel.py", "--tokens",

@@ -9,7 +9,8 @@ or (--device-times) times its launches itself from the device activity that jax.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
-launch order. With --tokens, each config's chained walks print what they chose as a line
+launch order, a guarded pair's two launches (a sampled call's, ffi/common/walk_config.h's RunWhen) as
+one line: their sum, under the name of the one that walked. With --tokens, each config's chained walks print what they chose as a line
 "TOKENS <config> <fingerprint>" (fingerprint: the last walk's tokens and logits, hashed), so that
 kernel versions can be compared bit for bit (benchmarks/ab_kernels.py --tokens).
 """
@@ -100,8 +101,38 @@ def walk_kernel_events(planes) -> list[tuple[str, float]]:
     return [(name, us) for _, name, us in sorted(events)]
 
 
+def fold_guarded_pairs(events: list[tuple[str, float]], plan: list[dict]) -> list[tuple[str, float]]:
+    """One (kernel, us) per walking launch of chained calls whose launches `plan` lists (one call's,
+    native.cuda_launch_plan): a guarded pair's launches, the one that returned at once and the one that
+    walked, count as one, their sum under the longer one's name."""
+    if len(events) % len(plan):
+        raise ValueError(f"{len(events)} walk kernel launches are not whole calls of {len(plan)} launches")
+    folded, held = [], None
+    for launch, (name, us) in zip(plan * (len(events) // len(plan)), events):
+        if launch.get("run_when") == "no_row_samples":  # its twin launches next
+            held = (name, us)
+            continue
+        if held is not None:
+            name, us = max(held, (name, us), key=lambda e: e[1])[0], held[1] + us
+            held = None
+        folded.append((name, us))
+    return folded
+
+
+def launch_plan(spec: str) -> list[dict]:
+    """The launches of one call of a config (as `prepare` builds it) on this machine's GPU."""
+    from jax_markov import native
+
+    vocab, steps, batch, mode, head_format = parse(spec)
+    kw = walk_options(mode, batch)
+    w2_dtype = jnp.int8 if head_format == "int8" else jnp.bfloat16
+    return native.cuda_launch_plan(batch, steps, vocab, 256, jnp.bfloat16, w2_dtype, base_dtype=jnp.bfloat16,
+                                   logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw)
+
+
 def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
-    """The walk kernels of `calls` chained walks of one config, timed by the profiler, after a warm-up."""
+    """The walk kernels of `calls` chained walks of one config, timed by the profiler, after a warm-up
+    (a guarded pair's launches folded into one)."""
     from jax.profiler import ProfileData
 
     f, base, anchor = prepare(*parse(spec))
@@ -110,7 +141,8 @@ def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
         with jax.profiler.trace(trace_dir):
             walk_chain(f, base, anchor, calls)
         files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        return walk_kernel_events(ProfileData.from_file(files[0]).planes if files else [])
+        events = walk_kernel_events(ProfileData.from_file(files[0]).planes if files else [])
+    return fold_guarded_pairs(events, launch_plan(spec))
 
 
 def parse(spec: str) -> tuple:

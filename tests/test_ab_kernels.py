@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,11 @@ def test_tokens_per_config_and_whether_each_tree_matches_the_first():
                                      "| yes | yes |")
     assert table.splitlines()[3] == ("| 151936,7,64,greedy | tokens=bbb logits=- | tokens=ccc logits=- | missing "
                                      "| NO | NO |")
+
+
+def test_trees_whose_folders_share_a_name_are_refused(tmp_path):
+    """Two trees named alike would share a build folder (and a column): refused before anything builds."""
+    trees = [str(tmp_path / "a" / "main"), str(tmp_path / "b" / "main")]
+    done = subprocess.run([sys.executable, "benchmarks/ab_kernels.py", "--out", str(tmp_path), *trees, "--", "5003,3,3,greedy"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    assert done.returncode == 2 and "distinct names, got ['main', 'main']" in done.stderr

@@ -75,3 +75,18 @@ def test_a_fingerprint_tells_walks_apart_by_tokens_and_logits():
     assert with_logits.split()[0] == plain.split()[0] and with_logits.split()[1] != "logits=-"
     logits[1, 2, 6] += 1.0
     assert profile_kernel.fingerprint(WalkResult(**{**fields, "tokens": tokens, "logits": logits})) != with_logits
+
+
+def test_a_guarded_pair_times_as_one_launch():
+    """A sampled call of two runs of requests, each a guarded pair (walk_config.h's RunWhen), chained
+    twice: each pair's durations add up under the name of the launch that walked."""
+    plan = [{"run_when": "no_row_samples"}, {"run_when": "some_row_samples"},
+            {"run_when": "no_row_samples"}, {"run_when": "some_row_samples"}]
+    events = [("MarkovWalkKernel", 1.5), ("MarkovWalkKernel", 190.0), ("MarkovWalkTransposedKernel", 180.0),
+              ("MarkovWalkKernel", 1.4)] * 2
+    assert profile_kernel.fold_guarded_pairs(events, plan) == [("MarkovWalkKernel", 191.5),
+                                                               ("MarkovWalkTransposedKernel", 181.4)] * 2
+    plain = [("MarkovWalkKernel", 52.0)] * 3
+    assert profile_kernel.fold_guarded_pairs(plain, [{"run_when": "always"}]) == plain
+    with pytest.raises(ValueError, match="not whole calls of 2 launches"):
+        profile_kernel.fold_guarded_pairs(events[:3], plan[:2])
