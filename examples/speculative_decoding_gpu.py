@@ -24,9 +24,9 @@ Greedy arms must reproduce the target's own greedy text token for token (the exi
 one does not; the report names the first differing token and the target's logit gap there). The
 reference is the target decoding alone on the verify step's K + 1 query rows (`target_decode(...,
 verify_block_size=K)`), so that every position's logits round as in the verify step; the target-alone
-arm is timed as the plain decode, one query row per forward. On a GPU the script first sets XLA_FLAGS
-that keep the kernels of the same fusion alike across programs (`set_xla_flags`; --deterministic-xla
-also turns autotuning off).
+arm is timed as the plain decode, one query row per forward. The script first sets XLA_FLAGS
+(`set_xla_flags`): XLA's command buffers off, so that the profile sees each kernel; --deterministic-xla
+also turns autotuning and atomics off.
 
 One verify step is split into its parts from a profile of one decode of each arm
 (examples/decode_profile.py): the device time of every op of the loop (GPU kernels and copies; XLA's
@@ -343,8 +343,8 @@ def parser():
     p.add_argument("--context-scale", type=float,
                    help=f"the target's context term (default {QWEN3_4B['context_scale']})")
     p.add_argument("--deterministic-xla", action="store_true",
-                   help="--xla_gpu_deterministic_ops=true: no autotuning (the greedy check's strongest footing; "
-                        "slower kernels)")
+                   help="--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true: no "
+                        "autotuning, no atomics (the greedy check's strongest footing; much slower GEMMs)")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (any device: the tests)")
     p.add_argument("--out", help="output prefix (.md, .json, .png); default "
                                  "examples/results/speculative_decoding_<gpu>, <gpu> from the device (h100, h200)")
@@ -356,22 +356,25 @@ def parser():
 
 def set_xla_flags(deterministic: bool) -> str:
     """Adds to XLA_FLAGS, before JAX starts its backend (one already started keeps its flags, as in
-    the tests), what keeps the GPU's kernels the same for the same fusion in the reference's and the
-    arms' programs: no kernels whose sums run in another order from run to run (atomics); with
-    JAX_COMPILATION_CACHE_DIR, XLA's autotuning results kept beside it, so that a program loaded from
-    the cache and one compiled now choose alike (in one process XLA reuses its choice per fusion);
-    deterministic: no autotuning at all (every kernel a function of its fusion; timings change).
-    Returns the XLA_FLAGS in effect."""
+    the tests): XLA's command buffers off, so that every kernel of a loop is launched as the HLO op it
+    computes and the profile of the verify step names it (in CUDA graphs the profiler sees the graph,
+    not its kernels; the loops here launched no slower without them); with JAX_COMPILATION_CACHE_DIR,
+    XLA's autotuning results kept beside it, so that a program loaded from the cache and one compiled
+    now choose alike (in one process XLA reuses its choice per fusion, which keeps the reference's and
+    the arms' kernels the same for the same fusion); deterministic: no autotuning and no kernels whose
+    sums run in another order from run to run (atomics), every kernel a function of its fusion (the
+    greedy check's strongest footing; much slower GEMMs). Returns the XLA_FLAGS in effect."""
     from jax._src import xla_bridge
 
     flags = os.environ.get("XLA_FLAGS", "")
-    wanted = {"--xla_gpu_exclude_nondeterministic_ops": "true"}
+    wanted = {"--xla_gpu_enable_command_buffer": ""}
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         autotune = Path(os.environ["JAX_COMPILATION_CACHE_DIR"]) / "xla_autotune"
         autotune.mkdir(parents=True, exist_ok=True)
         wanted["--xla_gpu_per_fusion_autotune_cache_dir"] = str(autotune)
     if deterministic:
         wanted["--xla_gpu_deterministic_ops"] = "true"
+        wanted["--xla_gpu_exclude_nondeterministic_ops"] = "true"
     if xla_bridge.backends_are_initialized():
         return flags + " (set before this run)" if flags else ""
     flags = " ".join(([flags] if flags else []) + [f"{k}={v}" for k, v in wanted.items() if k not in flags])

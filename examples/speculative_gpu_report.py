@@ -128,7 +128,7 @@ def markdown(report: dict) -> str:
         "",
         f"- target: Qwen3-style `CausalLM`, {cfg['target_layers']} layers, hidden {cfg['hidden']}, intermediate "
         f"{cfg['intermediate']}, {cfg['heads']} query / {cfg['kv_heads']} KV heads of {cfg['head_dim']}, vocabulary "
-        f"{cfg['vocab']}, {cfg['dtype']} weights (untied LM head), float32 KV cache; random weights with a "
+        f"{cfg['vocab']}, {cfg['dtype']} weights (untied LM head) and KV cache; random weights with a "
         f"rank-{cfg['bigram_rank']} bigram structure (scale {cfg['sharpness']:g}) and a context term from every "
         f"layer (context scale {cfg['context_scale']:g}) (`jax_markov.flax.bigram_lm`).",
         f"- drafter: `DSparkDrafter`, {cfg['drafter_layers']} layer of the target's width ({cfg['dtype']}, random "

@@ -197,6 +197,10 @@ def test_xla_flags_are_added_before_the_backend_starts_and_never_twice(monkeypat
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     flags = gpu_example.set_xla_flags(True).split()
     assert flags == ["--xla_gpu_exclude_nondeterministic_ops=false", "--xla_dump_to=/tmp/x",
+                     "--xla_gpu_enable_command_buffer=",
                      f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla_autotune'}",
                      "--xla_gpu_deterministic_ops=true"]  # the caller's own setting kept
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert gpu_example.set_xla_flags(False).split() == [
+        "--xla_gpu_enable_command_buffer=", f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla_autotune'}"]
     assert (tmp_path / "xla_autotune").is_dir()

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
-from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_rows
+from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend
 
 
 class KVCache(NamedTuple):
@@ -71,18 +72,27 @@ class CausalLMConfig:
                                self.rms_norm_eps, self.rope_theta, self.attention_bias)
 
 
+def write_layer_rows(buffer, layer: int, rows, start):
+    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at per-request offsets
+    start [B]: one scatter into the whole buffer, which XLA does in place (a decode loop's cache is
+    never copied)."""
+    def one(buf, upd, s):  # buf [L, S, ...]: one request's cache
+        return lax.dynamic_update_slice(buf, upd[None].astype(buf.dtype), (layer, s) + (0,) * (buf.ndim - 2))
+    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buffer, rows, start)
+
+
 class DecoderLayer(PreNormLayer):
-    def __call__(self, x, positions, k_cache, v_cache, start):
+    def __call__(self, x, positions, cache: KVCache, layer: int, start):
+        """The layer's output, and the cache with its keys and values written into layer `layer`."""
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
-        k_cache = write_rows(k_cache, k, start)
-        v_cache = write_rows(v_cache, v, start)
-        key_pos = jnp.arange(k_cache.shape[1], dtype=jnp.int32)
+        cache = KVCache(write_layer_rows(cache.k, layer, k, start), write_layer_rows(cache.v, layer, v, start))
+        key_pos = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions[:, :, None]
-        x = x + self.self_attn.output(attend(q, k_cache, v_cache, mask))
+        x = x + self.self_attn.output(attend(q, cache.k[layer], cache.v[layer], mask))
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_cache, v_cache
+        return x, cache
 
 
 class Backbone(nnx.Module):
@@ -94,10 +104,13 @@ class Backbone(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """A Qwen3-style causal LM (parameter names as Qwen3ForCausalLM: `model.layers.0...`, `lm_head.weight`)."""
+    """A Qwen3-style causal LM (parameter names as Qwen3ForCausalLM: `model.layers.0...`, `lm_head.weight`).
+    Its KV cache holds `cache_dtype` (default: the parameters' dtype; attention reads it in float32)."""
 
-    def __init__(self, config: CausalLMConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32):
+    def __init__(self, config: CausalLMConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
+                 cache_dtype=None):
         self.config = config
+        self.cache_dtype = jnp.dtype(param_dtype if cache_dtype is None else cache_dtype)
         self.model = Backbone(config, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
@@ -109,7 +122,7 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config
         shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
-        return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype))
 
     def embed(self, ids):
         return self.model.embed_tokens(ids)
@@ -133,15 +146,12 @@ class CausalLM(nnx.Module):
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = self.embed(tokens)
         hidden = {-1: x}
-        ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
-            x, k, v = layer(x, positions, cache.k[i], cache.v[i], start)
+            x, cache = layer(x, positions, cache, i, start)
             hidden[i] = x
-            ks.append(k)
-            vs.append(v)
         logits = self.unembed(self.model.norm(x))
         features = jnp.concatenate([hidden[i] for i in feature_layers], axis=-1) if feature_layers else None
-        return TargetOutput(logits, features, KVCache(jnp.stack(ks), jnp.stack(vs)))
+        return TargetOutput(logits, features, cache)
 
 
 def bigram_lm(config: CausalLMConfig, *, rank: int, sharpness: float = 4.0, context_scale: float = 0.05,
