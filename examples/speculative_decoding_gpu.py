@@ -21,10 +21,13 @@ GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. Each
 (untimed), then the arms run in turn (each repeat starting at the next arm) --repeats times; tokens/s
 is B x new tokens over the median wall time of one decode (prefill included, compilation excluded).
 Greedy arms must reproduce the target's own greedy text token for token (the exit status is 1 where
-one does not; the report names the first differing token and the target's logit gap there). The
-reference is the target decoding alone on the verify step's K + 1 query rows (`target_decode(...,
-verify_block_size=K)`), so that every position's logits round as in the verify step; the target-alone
-arm is timed as the plain decode, one query row per forward. The script first sets XLA_FLAGS
+one does not; the report names the first differing token and the target's logit gap there): each
+drafter arm's text against its own compiled program run with every draft set aside
+(`speculative_decode(..., max_accepted=0)`: the target decoding one token per verify step, on the
+verify step's shapes and kernels). Beside it, informative only, the separately compiled reference:
+the target decoding alone on the verify step's K + 1 query rows (`target_decode(...,
+verify_block_size=K)`), whose GEMMs XLA may tune otherwise; the target-alone arm is timed as the plain
+decode, one query row per forward, and compared with that reference. The script first sets XLA_FLAGS
 (`set_xla_flags`): XLA's command buffers off, so that the profile sees each kernel; --deterministic-xla
 also turns autotuning and atomics off.
 
@@ -206,13 +209,16 @@ def draft_memory(drafters, cfg, setting, arms, walks: dict) -> dict:
 
 
 def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, walks: dict) -> list[dict]:
-    """One row per arm of a setting (K, B, mode): tokens/s, acceptance, the greedy check against the
-    reference (the target decoded on the verify step's K + 1 query rows), the verify step's parts
-    from a profile of one decode and the draft path's memory (walks: {arm: its compiled walk})."""
+    """One row per arm of a setting (K, B, mode): tokens/s, acceptance, the greedy check (each drafter
+    arm against its own program with every draft set aside, max_accepted=0; beside it, and for the
+    target alone, the separately compiled reference on the verify step's K + 1 query rows), the verify
+    step's parts from a profile of one decode and the draft path's memory (walks: {arm: its compiled
+    walk})."""
     block_size, batch, mode = setting
     runs = decode_runs(target, drafters, cfg, batch, mode, arms)
     results, seconds = time_interleaved(runs, repeats, log)
     reference = jax.block_until_ready(reference_run(target, cfg, setting)()) if mode == "greedy" else None
+    own = {arm: jax.block_until_ready(runs[arm](max_accepted=0)) for arm in arms} if mode == "greedy" else {}
     memory = draft_memory(drafters, cfg, setting, arms, walks)
     rows = []
     for arm, result in results.items():
@@ -223,7 +229,10 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
                    tokens_per_s_range=[batch * cfg["new_tokens"] / max(seconds[arm]),
                                        batch * cfg["new_tokens"] / min(seconds[arm])],
                    iterations=iterations, ms_per_iteration=median * 1e3 / iterations)
-        if reference is not None:
+        if arm in own:
+            row["divergences"] = divergences(target, result, own[arm])
+            row["reference_divergences"] = divergences(target, result, reference)
+        elif reference is not None:
             row["divergences"] = divergences(target, result, reference)
         if arm != "target":
             split = decode_profile.step_split(runs[arm], iterations)

@@ -67,9 +67,11 @@ def check_text(r: dict) -> str:
                 f"not the reference's text (1-row forwards round otherwise: no failure): {where(r['divergences'])}")
     if r["mode"] == "sampled":
         return f"{r['accepted']} of {r['drafted']} drafts accepted"
-    if not r["divergences"]:
-        return "identical to the target's greedy text"
-    return "DIFFERS from the target's greedy text: " + where(r["divergences"])
+    text = ("identical to the target's greedy text" if not r["divergences"] else
+            "DIFFERS from the target's greedy text: " + where(r["divergences"]))
+    if r.get("reference_divergences"):
+        text += f"; the separately compiled reference's differs: {where(r['reference_divergences'])}"
+    return text
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -84,12 +86,16 @@ def summary(rows: list[dict]) -> list[str]:
     greedy = [r for r in rows if r["mode"] == "greedy" and r["arm"] != "target"]
     differing = [r for r in greedy if r["divergences"]]
     plain = [r for r in rows if r["arm"] == "target" and "divergences" in r]
+    compared = [r for r in greedy if "reference_divergences" in r]
     lines = [f"- the int8 kernel's tokens/s beat the eager walk's at {len(beats)} of {len(kernel)} settings, and by "
              f"more than the published gain at {len(above)} of the {len(published)} settings that have one; its loop "
              f"iterations were faster than the eager walk's at {len(faster)} of {len(kernel)}",
-             "- greedy output equal to the target's own greedy decoding (the reference), token for token: "
-             f"{len(greedy) - len(differing)} of {len(greedy)} greedy drafter arms"
+             "- greedy output equal to the target's own greedy decoding (the same program with every draft set "
+             f"aside), token for token: {len(greedy) - len(differing)} of {len(greedy)} greedy drafter arms"
              + (" (see the check column)" if differing else "")]
+    if compared:
+        lines.append(f"- and equal to the separately compiled reference's text: "
+                     f"{sum(not r['reference_divergences'] for r in compared)} of {len(compared)}")
     if plain:
         lines.append(f"- the timed target alone (one query row per forward) gave the reference's text at "
                      f"{sum(not r['divergences'] for r in plain)} of {len(plain)} greedy settings")
@@ -145,11 +151,16 @@ def markdown(report: dict) -> str:
         "(accepted drafts + 1). ms per iteration: the median decode over its loop iterations; iteration gain: the "
         "eager walk's ms per iteration over the arm's, a speed that acceptance does not change (a sampled int8 "
         "arm drafts other tokens than the bf16 arms, so its text and acceptance length vary apart from theirs).",
-        "- greedy reference: `target_decode(..., verify_block_size=K)`, the target alone, one token per forward, "
-        "each forward on K + 1 query rows (the last token, then the text buffer's padding) over a KV cache of the "
+        "- greedy check: each drafter arm's text against its own compiled program run with every draft set aside "
+        "(`speculative_decode(..., max_accepted=0)`, an argument of the program, not part of it): the target "
+        "decoding one token per verify step with the very kernels that XLA chose for that program, so that "
+        "speculative decoding is lossless exactly when the texts agree. "
+        "Separately compiled reference (informative: XLA may tune its GEMMs otherwise, and a bf16 near-tie "
+        "then goes the other way): `target_decode(..., verify_block_size=K)`, the target alone, one token per "
+        "forward, each forward on K + 1 query rows (the last token, then the text buffer's padding) over a KV cache of the "
         "verify step's length, keeping row 0: the GEMMs and the attention of every position have the verify "
-        "step's shapes, and a row's result does not depend on the other rows, so every position's logits round "
-        "as in the verify step (tests/test_speculative.py). The target-alone arm is timed as the plain decode (one "
+        "step's shapes, and a row's result does not depend on the other rows, so that on the same kernels every "
+        "position's logits round as in the verify step (tests/test_speculative.py). The target-alone arm is timed as the plain decode (one "
         "query row per forward), whose text can differ from the reference at near-ties that 1-row GEMMs round "
         f"otherwise (its check column). XLA_FLAGS: `{report.get('xla_flags') or 'none'}`.",
         f"- verify step: from a profile of one decode of each arm ({method}, `examples/decode_profile.py`): the "

@@ -110,7 +110,7 @@ class Verdict(NamedTuple):
 
 
 def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperature=None, key=None,
-                     position=None, vocab_size=None, fill_value=-1) -> Verdict:
+                     position=None, vocab_size=None, fill_value=-1, max_accepted=None) -> Verdict:
     """Verify a block of drafts against one target forward.
 
     draft_tokens [B, K]: the drafts (target ids); target_logits [B, K+1, V]: the target's logits on
@@ -119,7 +119,10 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
     temperature. temperature [B] (or scalar; 0 = greedy row) and key ([B] PRNG keys or [B, 2]
     uint32) as in `jax_markov.walk`; position [B]: the sequence position of draft token 0 (the
     walk's `position`), which indexes the acceptance and resampling streams. Columns >= vocab_size
-    are padding. Without temperature every row is greedy.
+    are padding. Without temperature every row is greedy. max_accepted (an int, traced or not): a row
+    keeps at most this many drafts and, where it gets that far, does not test the draft after them:
+    its next token is the target's own at that row (its argmax, or for a sampled row a draw from p,
+    never from the residual), so that the text follows the target's distribution as without drafts.
     """
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
     if draft_tokens.ndim != 2:
@@ -133,9 +136,14 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
     greedy_accept = draft_tokens == target_choice[:, :k]
     steps = jnp.arange(k + 1, dtype=jnp.int32)
 
-    if temperature is None:
-        accept = greedy_accept
+    def kept(accept):  # (drafts kept, whether the row reached max_accepted: its draft there is not tested)
         n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        if max_accepted is None:
+            return n, jnp.zeros_like(accept[:, 0])
+        return jnp.minimum(n, max_accepted), n >= max_accepted
+
+    if temperature is None:
+        n, _ = kept(greedy_accept)
         next_token = jnp.take_along_axis(target_choice, n[:, None], axis=1)[:, 0]
     else:
         if draft_logits is None:
@@ -154,11 +162,10 @@ def rejection_sample(draft_tokens, target_logits, draft_logits=None, *, temperat
         p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
         u = accept_uniform(words, position[:, None] + steps[None, :k])
-        accept = jnp.where(sampled[:, None], u * q_d < p_d, greedy_accept)
-        n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        n, cut = kept(jnp.where(sampled[:, None], u * q_d < p_d, greedy_accept))
         p_row = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
         q_row = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
-        q_row = jnp.where((n < k)[:, None], q_row, 0.0)
+        q_row = jnp.where(((n < k) & ~cut)[:, None], q_row, 0.0)  # the residual where draft n was rejected, else p
         residual = jnp.maximum(p_row - q_row, 0.0)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_row)
         score = jnp.log(residual) + resample_noise(words, position + n, vocab)
@@ -269,7 +276,7 @@ def _prefill(target, prompt, lengths, total, temperature, words, pad_id, vocab_s
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "use_markov_head",
                                              "logits_dtype", "vocab_size", "impl"))
 def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, lengths, temperature, words, eos_id,
-                 pad_id, *, max_new_tokens, use_markov_head, logits_dtype, vocab_size, impl):
+                 pad_id, max_accepted, *, max_new_tokens, use_markov_head, logits_dtype, vocab_size, impl):
     nnx = _nnx()
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
@@ -305,7 +312,8 @@ def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, l
             verify = target(block, anchor_pos, cache, feature_layers=layers)
         with jax.named_scope("rejection_sampler"):
             verdict = rejection_sample(draft.tokens, verify.logits, draft.logits, temperature=temperature, key=words,
-                                       position=anchor_pos + 1, vocab_size=vocab_size, fill_value=pad_id)
+                                       position=anchor_pos + 1, vocab_size=vocab_size, fill_value=pad_id,
+                                       max_accepted=max_accepted)
         n = verdict.num_accepted
         active = ~done
         tokens, length, done = _finish(tokens, length, done, n + 1, verdict.tokens, limit, eos_id)
@@ -323,7 +331,7 @@ def _speculative(target_def, target_state, drafter_def, drafter_state, prompt, l
 def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_tokens: int, temperature=None, key=None,
                        eos_id: int | None = None, pad_id: int = 0, use_markov_head: bool = True,
                        logits_dtype=jnp.float32, vocab_size: int | None = None, impl: str = "auto",
-                       lower: bool = False) -> DecodeResult:
+                       max_accepted: int | None = None, lower: bool = False) -> DecodeResult:
     """Speculative decoding of a batch of requests, in one jitted `lax.while_loop`.
 
     target: a model following the target protocol (`jax_markov.flax.CausalLM` documents it);
@@ -344,6 +352,12 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
     a block apart from the others (as `CausalLM` does: every op of a row is row-wise, or a GEMM or
     attention over the cache whose row does not read the other rows).
 
+    max_accepted: each verify step keeps at most this many drafts (`rejection_sample`); it is an
+    argument of the compiled program, not part of it, so max_accepted=0 runs the very same program
+    with every draft set aside: the target decoding one token per verify step, on the verify step's
+    shapes and kernels. Greedy rows then give the text that the same call with drafts must give, bit
+    for bit, whatever kernels XLA chose for this program.
+
     lower=True returns the jitted program lowered for these arguments (a `jax.stages.Lowered`;
     `.compile().as_text()` is the HLO whose op names a profile of this decode reports, see
     `STEP_SCOPES`) instead of running it; after a run with the same arguments both come from JAX's
@@ -355,8 +369,13 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
                          f"({_vocab_of(target, drafter)})")
     target_def, target_state = _nnx().split(target)
     drafter_def, drafter_state = _nnx().split(drafter)
+    block_size = drafter.block_size
+    keep = block_size if max_accepted is None else int(max_accepted)
+    if not 0 <= keep <= block_size:
+        raise ValueError(f"max_accepted must be in [0, K = {block_size}], got {max_accepted}")
     return _run(_speculative, lower, target_def, target_state, drafter_def, drafter_state, prompt, lengths,
-                temperature, words, _eos(eos_id), jnp.asarray(pad_id, jnp.int32), max_new_tokens=int(max_new_tokens),
+                temperature, words, _eos(eos_id), jnp.asarray(pad_id, jnp.int32), jnp.asarray(keep, jnp.int32),
+                max_new_tokens=int(max_new_tokens),
                 use_markov_head=bool(use_markov_head), logits_dtype=jnp.dtype(logits_dtype).name,
                 vocab_size=vocab_size, impl=impl)
 

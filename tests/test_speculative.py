@@ -57,6 +57,13 @@ def test_greedy_verdicts():
     np.testing.assert_array_equal(verdict.num_accepted, [3, 1, 0, 2])
     np.testing.assert_array_equal(verdict.next_token, [5, 0, 2, 2])
     np.testing.assert_array_equal(verdict.tokens, [[1, 2, 3, 5], [1, 0, -7, -7], [2, -7, -7, -7], [0, 5, 2, -7]])
+    # max_accepted keeps at most that many drafts and continues with the target's own choice there
+    capped = jax.jit(functools.partial(sp.rejection_sample, fill_value=-7))(drafts, logits, max_accepted=jnp.int32(1))
+    np.testing.assert_array_equal(capped.num_accepted, [1, 1, 0, 1])
+    np.testing.assert_array_equal(capped.tokens, [[1, 2, -7, -7], [1, 0, -7, -7], [2, -7, -7, -7], [0, 5, -7, -7]])
+    none = sp.rejection_sample(drafts, logits, max_accepted=0)
+    np.testing.assert_array_equal(none.tokens[:, 0], choice[:, 0])
+    np.testing.assert_array_equal(none.num_accepted, 0)
     # greedy rows of a sampled call decide exactly the same, whatever the draft logits say
     sampled = jax.jit(sp.rejection_sample)(drafts, logits, jnp.zeros((4, 3, v)), temperature=jnp.zeros(4),
                                            key=jax.random.split(jax.random.key(0), 4), position=jnp.arange(4))
@@ -147,10 +154,11 @@ def test_one_step_of_rejection_sampling_emits_the_target_distribution():
         walk = jax_markov.walk(base, jnp.zeros(n, jnp.int32), head, temperature=jnp.ones(n), key=keys,
                                position=jnp.full(n, 3), return_logits=True)
         target = jnp.broadcast_to(p_logits, (n, k + 1, v))
-        return walk.tokens, sp.rejection_sample(walk.tokens, target, walk.logits, temperature=jnp.ones(n),
-                                                key=keys, position=jnp.full(n, 3))
+        verdicts = [sp.rejection_sample(walk.tokens, target, walk.logits, temperature=jnp.ones(n), key=keys,
+                                        position=jnp.full(n, 3), max_accepted=cap) for cap in (None, 0)]
+        return walk.tokens, *verdicts
 
-    drafts, verdict = run(keys, p_logits, q_logits, head)
+    drafts, verdict, none = run(keys, p_logits, q_logits, head)
     p = np.asarray(jax.nn.softmax(p_logits))
     first = np.asarray(verdict.tokens[:, 0])
     assert chi_square_p(np.bincount(first, minlength=v), p) >= P_MIN
@@ -162,6 +170,17 @@ def test_one_step_of_rejection_sampling_emits_the_target_distribution():
     assert chi_square_p(np.bincount(np.asarray(drafts[:, 0]), minlength=v), p) < P_CONTROL
     acc = float(jnp.mean(verdict.num_accepted >= 1))
     assert abs(acc - np.minimum(p, np.asarray(jax.nn.softmax(q_logits))).sum()) < 0.01  # sum min(p, q)
+    # max_accepted = 0: every draft set aside, the first token a draw from p whether or not its draft
+    # passed the test (which is then not made); without the cap, a rejected draft's row follows the
+    # residual (the control: the test tells it from p)
+    np.testing.assert_array_equal(none.num_accepted, 0)
+    kept = np.asarray(verdict.num_accepted) >= 1
+    for rows in (kept, ~kept):
+        assert chi_square_p(np.bincount(np.asarray(none.tokens[:, 0])[rows], minlength=v), p) >= P_MIN
+    residual = np.maximum(p - np.asarray(jax.nn.softmax(q_logits)), 0)
+    rejected = np.bincount(np.asarray(verdict.tokens[:, 0])[~kept], minlength=v)
+    assert chi_square_p(rejected, residual / residual.sum()) >= P_MIN
+    assert chi_square_p(rejected, p) < P_CONTROL
 
 
 # -- the decode loop: a bigram-structured target and DSpark drafters -----------------------------------
@@ -223,6 +242,12 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(greedy, name
     np.testing.assert_array_equal(res.tokens, ref.tokens)
     padded = sp.target_decode(target, prompt, lengths, max_new_tokens=24, verify_block_size=K)
     np.testing.assert_array_equal(res.tokens, padded.tokens)  # the reference at the verify step's shapes
+    drafter, use = make_drafters(target)[name]
+    own = sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=24, use_markov_head=use,
+                                max_accepted=0)  # the same program, every draft set aside
+    np.testing.assert_array_equal(own.tokens, ref.tokens)
+    np.testing.assert_array_equal(own.num_accepted, 0)
+    np.testing.assert_array_equal(own.num_steps, 23)
     np.testing.assert_array_equal(res.lengths, lengths + 24)
     np.testing.assert_array_equal(ref.num_steps, 23)  # the reference: one forward per token after the first
     # the statistics add up: a histogram per request, accepted drafts, fewer target forwards
@@ -279,6 +304,8 @@ def test_arguments_are_checked(greedy):
     other = jmf.DSparkDrafter(dataclasses.replace(DRAFTER, vocab_size=V + 1, draft_vocab_size=None))
     with pytest.raises(ValueError, match="vocab_size"):
         sp.speculative_decode(target, other, prompt, lengths, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"max_accepted must be in \[0, K = 4\]"):
+        sp.speculative_decode(target, drafter, prompt, lengths, max_new_tokens=4, max_accepted=5)
 
 
 def test_a_position_rounds_alike_alone_on_padded_rows_and_inside_a_verify_block():

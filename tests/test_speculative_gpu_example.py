@@ -6,7 +6,8 @@ arms run the CPU custom call), and the head fit it shares with examples/speculat
   fitting each alone gives;
 - a run compiles every program it runs before the first run, and none of them again during the runs;
 - a run writes a report whose every arm ran, whose greedy arms reproduce the target's greedy text
-  (the reference: the target on the verify step's K + 1 query rows), whose verify-step parts (from a
+  (each arm's own program with every draft set aside, and the separately compiled reference: the
+  target on the verify step's K + 1 query rows), whose verify-step parts (from a
   profile of one decode) and memory are measured; the greedy check finds a planted difference;
 - the summary counts the settings where the int8 kernel beats the eager walk and the published gain;
 - --merge joins runs over different settings and refuses runs that do not belong together.
@@ -94,7 +95,7 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
         assert 1.0 <= row["acceptance_length"] <= 4.0  # K = 3: at most 3 drafts + 1 per verify step
         assert row["iterations"] < cfg["new_tokens"] - 1
         if row["mode"] == "greedy":
-            assert row["divergences"] == []
+            assert row["divergences"] == [] and row["reference_divergences"] == []
         else:
             assert 0 < row["accepted"] <= row["drafted"]
         # the verify step from a profile of one decode: every part and the rest, each op counted once
@@ -105,6 +106,7 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
         assert row["walk_scratch_bytes"] >= 0 and row["drafter_bytes"] > 0 and row["context_bytes"] > 0
     text = out.with_suffix(".md").read_text()
     assert "token for token: 3 of 3 greedy drafter arms" in text
+    assert "equal to the separately compiled reference's text: 3 of 3" in text
     assert text.count("identical to the target's greedy text") == 3
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 0
