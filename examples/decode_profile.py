@@ -136,27 +136,34 @@ def profile_options():
     return options
 
 
-def attribute(events, module: str, op_names: dict) -> dict:
-    """{part, REST, "prefill": ns} of the (module, op, ns) events of `module` (of every module where
-    no event names it)."""
+def attribute(events, module: str, op_names: dict) -> tuple[dict, dict]:
+    """({part, REST, "prefill": ns}, {(part, op): ns}) of the (module, op, ns) events of `module` (of
+    every module where no event names it)."""
     mine = [e for e in events if e[0] == module] or events
     times = defaultdict(float, {part: 0.0 for part in (*PARTS.values(), REST)})
+    ops = defaultdict(float)
     for _, op, ns in mine:
-        times[part_of(op_names.get(op, "")) or REST] += ns
-    return dict(times)
+        part = part_of(op_names.get(op, "")) or REST
+        times[part] += ns
+        ops[part, op] += ns
+    return dict(times), dict(ops)
 
 
-def step_split(run, iterations: int) -> dict:
+def step_split(run, iterations: int, top: int = 12) -> dict:
     """The parts of one verify step from a profile of one call of `run` (a decode of
     `jax_markov.speculative` whose keywords take lower=True; run once before, so that nothing
-    compiles here): dict(ms={part: ms per loop iteration, REST: ...}, method=what was timed)."""
+    compiles here): dict(ms={part: ms per loop iteration, REST: ...}, method=what was timed,
+    top_ops=the `top` ops of the loop that took longest, [part, HLO op, ms per loop iteration])."""
     module, op_names = hlo_op_names(run(lower=True).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, profiler_options=profile_options()):
             jax.block_until_ready(run())
         events, source = op_events(trace_dir)
-    times = attribute(events, module, op_names)
+    times, ops = attribute(events, module, op_names)
     times.pop(sp.PREFILL_SCOPE, None)
     method = ("GPU time of its kernels and copies, from CUPTI" if source == "device"
               else "host time of its XLA thunks, each less the thunks inside it")
-    return dict(ms={part: ns * 1e-6 / max(iterations, 1) for part, ns in times.items()}, method=method)
+    per_iteration = 1e-6 / max(iterations, 1)
+    heaviest = sorted(((ns, part, op) for (part, op), ns in ops.items() if part != sp.PREFILL_SCOPE), reverse=True)
+    return dict(ms={part: ns * per_iteration for part, ns in times.items()}, method=method,
+                top_ops=[[part, op, ns * per_iteration] for ns, part, op in heaviest[:top]])

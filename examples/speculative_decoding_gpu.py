@@ -238,7 +238,7 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
             split = decode_profile.step_split(runs[arm], iterations)
             row.update(acceptance_length=result.mean_acceptance_length(), accepted=int(jnp.sum(result.num_accepted)),
                        drafted=int(jnp.sum(result.num_steps)) * block_size, **memory[arm], parts_ms=split["ms"],
-                       parts_method=split["method"])
+                       parts_method=split["method"], top_ops=split["top_ops"])
         rows.append(row)
         log(f"  K={block_size} B={batch} {mode:7s} {ARM_NAMES[arm]:28s} {row['tokens_per_s']:9.1f} tok/s  "
             f"{row['ms_per_iteration']:7.2f} ms/iteration" + (f"  acceptance length {row['acceptance_length']:.3f}"

@@ -168,7 +168,8 @@ def markdown(report: dict) -> str:
         "(`jax_markov.speculative.STEP_SCOPES`; the drafter includes its context update, the rejection sampler the "
         "target's argmax); rest: ops of no part (the text and cache updates, the loop's control, ops that XLA fused "
         "across parts); the prefill is left out. Sum: the loop's profiled time per iteration, beside the timed loop "
-        "iteration (wall time, which adds the prefill's share and the idle gaps between kernels).",
+        "iteration (wall time, which adds the prefill's share and the idle gaps between kernels). The .json's "
+        "`top_ops` give each arm's heaviest ops per loop iteration.",
         "- published: the gain in output tokens/s of the published int8 kernel over its eager walk end to end on "
         "Qwen3-4B, one H100 (issue 66; shared/PEERS.md).",
         "",

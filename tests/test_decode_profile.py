@@ -53,10 +53,12 @@ def test_the_innermost_part_scope_names_the_part():
     assert dp.part_of("jit(f)/while/body/target_forward/dot_general") == "target forward"
     assert dp.part_of("jit(f)/prefill/target_forward/dot_general") == "prefill"
     assert dp.part_of("jit(f)/while/body/add") is None and dp.part_of("") is None
-    times = dp.attribute([("m", "a", 5.0), ("m", "b", 3.0), ("m", "c", 2.0), ("other", "a", 100.0)], "m",
-                         {"a": "x/target_forward/y", "b": "x/while/body", "c": "x/prefill/z"})
-    assert times == {"target forward": 5.0, "drafter": 0.0, "walk": 0.0, "rejection sampler": 0.0, dp.REST: 3.0,
+    times, ops = dp.attribute([("m", "a", 5.0), ("m", "b", 3.0), ("m", "c", 2.0), ("m", "a", 1.0),
+                               ("other", "a", 100.0)], "m",
+                              {"a": "x/target_forward/y", "b": "x/while/body", "c": "x/prefill/z"})
+    assert times == {"target forward": 6.0, "drafter": 0.0, "walk": 0.0, "rejection sampler": 0.0, dp.REST: 3.0,
                      "prefill": 2.0}
+    assert ops == {("target forward", "a"): 6.0, (dp.REST, "b"): 3.0, ("prefill", "c"): 2.0}
 
 
 def test_nested_events_count_their_self_time():
@@ -95,3 +97,8 @@ def test_a_profile_of_a_jitted_loop_attributes_its_time_to_the_scoped_parts():
     assert ms["drafter"] == ms["rejection sampler"] == 0
     assert sum(ms.values()) == pytest.approx(ms["target forward"] + ms["walk"] + ms[dp.REST])
     assert "time" in split["method"]
+    # the heaviest ops, longest first, each in its part and none of the prefill's
+    top = split["top_ops"]
+    assert 0 < len(top) <= 12 and [t[2] for t in top] == sorted((t[2] for t in top), reverse=True)
+    assert {t[0] for t in top} <= set(ms) and top[0][2] <= max(ms.values())
+    assert {t[0] for t in top} >= {"target forward", "walk"}

@@ -102,6 +102,7 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
         parts = row["parts_ms"]
         assert set(parts) == set(gpu_report.PARTS) and min(parts.values()) >= 0
         assert min(parts[p] for p in ("target forward", "drafter", "walk")) > 0
+        assert row["top_ops"] and all(part in parts for part, _, _ in row["top_ops"])
         assert row["head_bytes"] == head_bytes[row["arm"]]
         assert row["walk_scratch_bytes"] >= 0 and row["drafter_bytes"] > 0 and row["context_bytes"] > 0
     text = out.with_suffix(".md").read_text()
