@@ -17,9 +17,11 @@ A setting is (K, B, mode): B requests (fixed random prompts), greedy or sampled 
 tokens each. Its arms are jitted decode loops (`jax_markov.speculative`): the target alone, and the
 drafter with the eager walk (the pure-JAX reference walking the bf16 head, impl="reference"), the
 int8 kernel (the int8 head, impl="ffi") and the bf16-head kernel (the bf16 head, impl="ffi"; off a
-GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. Each arm is run once
+GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. A run of an arm decodes
+the B requests, or at B = 1 sampled 4 requests one after another (`rounds_of`: the arms' sampled texts
+part at their first different draft, so one request's acceptance says little). Each arm is run once
 (untimed), then the arms run in turn (each repeat starting at the next arm) --repeats times; tokens/s
-is B x new tokens over the median wall time of one decode (prefill included, compilation excluded).
+is the new tokens over the median wall time of one run (prefill included, compilation excluded).
 Greedy arms must reproduce the target's own greedy text token for token (the exit status is 1 where
 one does not; the report names the first differing token and the target's logit gap there): each
 drafter arm's text against its own compiled program run with every draft set aside
@@ -85,7 +87,7 @@ RESULTS = ROOT / "examples" / "results"
 # The target and drafter sizes (keys as in the toy example's configuration).
 QWEN3_4B = dict(vocab=QWEN3_4B_VOCAB, hidden=2560, intermediate=9728, target_layers=36, heads=32, kv_heads=8,
                 head_dim=128, drafter_layers=1, dtype="bfloat16", markov_rank=256, bigram_rank=128, sharpness=5.0,
-                context_scale=0.005, prompt_len=32, new_tokens=512, seed=0)
+                context_scale=0.005, prompt_len=32, new_tokens=512, seed=0, sampled_b1_rounds=4)
 TINY = dict(QWEN3_4B, vocab=512, hidden=64, intermediate=128, target_layers=2, heads=4, kv_heads=2, head_dim=16,
             markov_rank=32, bigram_rank=16, context_scale=0.05, prompt_len=8, new_tokens=24)
 SETTINGS = [(k, b, mode) for mode in ("greedy", "sampled") for k in (7, 16) for b in (1, 16)]
@@ -114,15 +116,46 @@ def arm_drafter(drafters: dict, arm: str):
     return drafters["int8 head" if "int8" in arm else "bf16 head"]
 
 
+def rounds_of(cfg, batch: int, mode: str) -> int:
+    """Batches of B requests that one run decodes one after another: cfg["sampled_b1_rounds"] for a
+    sampled setting at B = 1, else one. A sampled arm's text leaves the other arms' at its first draft
+    that differs, so the acceptance length of one request varies too much from arm to arm to compare
+    them; the same requests in every arm, several of them, make the comparison."""
+    return cfg["sampled_b1_rounds"] if mode == "sampled" and batch == 1 else 1
+
+
+class Rounds:
+    """One run of a setting's arm: its decode program called on each round's requests in turn (one
+    program: the rounds' arrays have the same shapes), the results joined along the batch."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, lower: bool = False, **kw):
+        if lower:
+            return self.calls[0](lower=True, **kw)
+        results = [call(**kw) for call in self.calls]
+        return results[0] if len(results) == 1 else type(results[0])(*map(jnp.concatenate, zip(*results)))
+
+
+def loop_iterations(result, rounds: int) -> int:
+    """The loop iterations of one run: each round's loop runs as long as its longest request."""
+    return int(jnp.sum(jnp.max(result.num_steps.reshape(rounds, -1), axis=1)))
+
+
 def decode_runs(target, drafters, cfg, batch: int, mode: str, arms) -> dict:
-    """{arm: fn() -> DecodeResult}: the target alone, then the drafter with each walk arm."""
-    prompt, lengths = prompts(cfg, batch)
-    kw = dict(max_new_tokens=cfg["new_tokens"], **sampling_arguments(cfg, mode, batch))
-    runs = {"target": functools.partial(sp.target_decode, target, prompt, lengths, **kw)}
+    """{arm: Rounds}: the target alone, then the drafter with each walk arm."""
+    rounds = rounds_of(cfg, batch, mode)
+    prompt, lengths = prompts(cfg, batch * rounds)
+    sampling = sampling_arguments(cfg, mode, batch * rounds)
+    parts = [dict(prompt=prompt[r * batch:(r + 1) * batch], prompt_lengths=lengths[r * batch:(r + 1) * batch],
+                  max_new_tokens=cfg["new_tokens"], **{k: v[r * batch:(r + 1) * batch] for k, v in sampling.items()})
+             for r in range(rounds)]
+    runs = {"target": Rounds([functools.partial(sp.target_decode, target, **kw) for kw in parts])}
     for arm in arms:
         impl = "ffi" if arm.startswith("kernel") else "reference"
-        runs[arm] = functools.partial(sp.speculative_decode, target, arm_drafter(drafters, arm), prompt, lengths,
-                                      impl=impl, logits_dtype=jnp.bfloat16, **kw)
+        runs[arm] = Rounds([functools.partial(sp.speculative_decode, target, arm_drafter(drafters, arm), impl=impl,
+                                              logits_dtype=jnp.bfloat16, **kw) for kw in parts])
     return runs
 
 
@@ -221,13 +254,13 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
     own = {arm: jax.block_until_ready(runs[arm](max_accepted=0)) for arm in arms} if mode == "greedy" else {}
     memory = draft_memory(drafters, cfg, setting, arms, walks)
     rows = []
+    rounds = rounds_of(cfg, batch, mode)
     for arm, result in results.items():
         median = statistics.median(seconds[arm])
-        iterations = int(jnp.max(result.num_steps))
-        row = dict(block_size=block_size, batch=batch, mode=mode, arm=arm, seconds=seconds[arm],
-                   tokens_per_s=batch * cfg["new_tokens"] / median,
-                   tokens_per_s_range=[batch * cfg["new_tokens"] / max(seconds[arm]),
-                                       batch * cfg["new_tokens"] / min(seconds[arm])],
+        iterations = loop_iterations(result, rounds)
+        tokens = rounds * batch * cfg["new_tokens"]
+        row = dict(block_size=block_size, batch=batch, mode=mode, arm=arm, rounds=rounds, seconds=seconds[arm],
+                   tokens_per_s=tokens / median, tokens_per_s_range=[tokens / max(seconds[arm]), tokens / min(seconds[arm])],
                    iterations=iterations, ms_per_iteration=median * 1e3 / iterations)
         if arm in own:
             row["divergences"] = divergences(target, result, own[arm])

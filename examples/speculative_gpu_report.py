@@ -102,6 +102,15 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def rounds_text(cfg: dict) -> str:
+    rounds = cfg.get("sampled_b1_rounds", 1)
+    if rounds == 1:
+        return ""
+    return (f"; a run of a sampled setting at B = 1 decodes {rounds} requests one after another (an arm's text "
+            "leaves the others' at its first draft that differs, so one request's acceptance length varies too much "
+            "from arm to arm to compare them), its tokens/s all of their tokens over the run's time")
+
+
 def title(report: dict) -> str:
     shape = "Qwen3-4B's shape" if report["config"]["vocab"] == QWEN3_4B_VOCAB else "a toy of Qwen3-4B's structure"
     return f"Speculative decoding at {shape} on {report['device']}"
@@ -144,11 +153,12 @@ def markdown(report: dict) -> str:
         "the eager walk and the bf16-head kernel walk that head in bf16, the int8 kernel its per-row int8 W2.",
         f"- B requests with fixed prompts of {cfg['prompt_len']} random tokens, {cfg['new_tokens']} new tokens each, "
         "greedy or sampled at T = 1 (sampled walks return bf16 draft logits); every arm is one jitted "
-        "`lax.while_loop` (`jax_markov.speculative`).",
-        f"- tokens/s: B x new tokens over the median wall time of one decode (prefill included, compilation "
+        "`lax.while_loop` (`jax_markov.speculative`)" + rounds_text(cfg) + ".",
+        f"- tokens/s: new tokens of every request a run decodes over the median wall time of one run (prefill "
+        f"included, compilation "
         f"excluded; range: slowest and fastest run), the arms run in turn, {repeats} times each. "
         "Gain: over the eager walk's tokens/s at the same setting. Mean acceptance length: tokens per verify step "
-        "(accepted drafts + 1). ms per iteration: the median decode over its loop iterations; iteration gain: the "
+        "(accepted drafts + 1). ms per iteration: the median run over its loop iterations; iteration gain: the "
         "eager walk's ms per iteration over the arm's, a speed that acceptance does not change (a sampled int8 "
         "arm drafts other tokens than the bf16 arms, so its text and acceptance length vary apart from theirs).",
         "- greedy check: each drafter arm's text against its own compiled program run with every draft set aside "
