@@ -26,7 +26,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend
 
@@ -73,12 +72,12 @@ class CausalLMConfig:
 
 
 def write_layer_rows(buffer, layer: int, rows, start):
-    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at per-request offsets
-    start [B]: one scatter into the whole buffer, which XLA does in place (a decode loop's cache is
-    never copied)."""
-    def one(buf, upd, s):  # buf [L, S, ...]: one request's cache
-        return lax.dynamic_update_slice(buf, upd[None].astype(buf.dtype), (layer, s) + (0,) * (buf.ndim - 2))
-    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buffer, rows, start)
+    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at positions start[b] + t
+    of request b (rows past S are dropped): one scatter into the whole buffer, indexed by request and
+    position, which XLA does in place (a decode loop's cache is never copied)."""
+    b, t = rows.shape[:2]
+    positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+    return buffer.at[layer, jnp.arange(b)[:, None], positions].set(rows.astype(buffer.dtype), mode="drop")
 
 
 class DecoderLayer(PreNormLayer):
