@@ -98,15 +98,17 @@ def rope(x, positions, theta: float):
 
 def attend(q, k, v, mask):
     """Grouped-query attention. q [B, T, H, d], k/v [B, S, Hkv, d], mask [B, T, S] (True = visible).
+    The products take q in k's dtype and the softmax weights in v's, and sum in float32: a bf16
+    cache is read as it is, never widened into a float32 copy (a float32 cache: all float32).
 
     Every query row must see at least one key."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
-    q = q.reshape(b, t, hkv, h // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(jnp.float32)) * (d ** -0.5)
+    q = q.reshape(b, t, hkv, h // hkv, d).astype(k.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(jnp.float32))
+    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h * d)
 
 
