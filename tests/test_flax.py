@@ -242,6 +242,27 @@ def test_target_cached_decoding_matches_a_plain_forward():
         model(tokens[:, :1], jnp.zeros(2, jnp.int32), cache, feature_layers=(3,))
 
 
+def test_the_kv_write_lands_each_request_at_its_own_position_in_one_layer():
+    from jax_markov.flax.target import write_layer_rows
+
+    rng = np.random.default_rng(4)
+    cache = rng.normal(size=(3, 4, 10, 2, 5)).astype(np.float32)  # [L, B, S, Hkv, d]
+    rows = rng.normal(size=(4, 3, 2, 5)).astype(np.float32)  # [B, T, Hkv, d]
+    start = np.array([0, 4, 7, 9])  # request 2 ends at the last position; request 3 runs past it
+    got = np.asarray(jax.jit(write_layer_rows, static_argnums=1)(jnp.asarray(cache), 1, jnp.asarray(rows),
+                                                                 jnp.asarray(start, jnp.int32)))
+    want = cache.copy()
+    for b in range(4):
+        for t in range(3):
+            if start[b] + t < 10:
+                want[1, b, start[b] + t] = rows[b, t]  # past the cache: dropped
+    np.testing.assert_array_equal(got, want)
+    # the cache holds the parameters' dtype unless told otherwise
+    assert jmf.CausalLM(TARGET, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).init_cache(1, 4).k.dtype == jnp.bfloat16
+    model = jmf.CausalLM(TARGET, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, cache_dtype=jnp.float32)
+    assert model.init_cache(2, 4).v.dtype == jnp.float32 and model.init_cache(2, 4).k.shape == (3, 2, 4, 2, 8)
+
+
 # -- the drafter -----------------------------------------------------------------------------------
 def reference_draft_base_logits(drafter, target, features, anchor, p):
     """[anchor, mask x (K-1)] at positions p..p+K-1, non-causal, keys/values = projected target
