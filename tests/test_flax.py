@@ -243,7 +243,7 @@ def test_target_cached_decoding_matches_a_plain_forward():
 
 
 def test_the_kv_write_lands_each_request_at_its_own_position_in_one_layer():
-    from jax_markov.flax.target import write_layer_rows
+    from jax_markov.flax.layers import write_layer_rows
 
     rng = np.random.default_rng(4)
     cache = rng.normal(size=(3, 4, 10, 2, 5)).astype(np.float32)  # [L, B, S, Hkv, d]

@@ -27,7 +27,7 @@ from ..philox import gumbel_noise_range
 from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
-from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_rows
+from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_layer_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -251,12 +251,10 @@ class DSparkDrafter(nnx.Module):
         start = jnp.asarray(start, jnp.int32)
         positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
         ctx = self.hidden_norm(self.fc(features))
-        ks, vs = [], []
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, positions)
-            ks.append(write_rows(context.k[i], k, start))
-            vs.append(write_rows(context.v[i], v, start))
-        return DraftContext(jnp.stack(ks), jnp.stack(vs))
+            context = DraftContext(write_layer_rows(context.k, i, k, start), write_layer_rows(context.v, i, v, start))
+        return context
 
     # -- the block ----------------------------------------------------------------------------
     def hidden(self, anchor, anchor_position, context: DraftContext, *, embed):

@@ -112,11 +112,13 @@ def attend(q, k, v, mask):
     return out.reshape(b, t, h * d)
 
 
-def write_rows(buffer, rows, start):
-    """buffer [B, S, ...] with rows [B, T, ...] written at per-request offsets start [B]."""
-    def one(buf, upd, s):
-        return lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (s,) + (0,) * (buf.ndim - 1))
-    return jax.vmap(one)(buffer, rows, start)
+def write_layer_rows(buffer, layer: int, rows, start):
+    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at positions start[b] + t
+    of request b (rows past S are dropped): one scatter into the whole buffer, indexed by request and
+    position, which XLA does in place (a decode loop's cache is never copied)."""
+    b, t = rows.shape[:2]
+    positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+    return buffer.at[layer, jnp.arange(b)[:, None], positions].set(rows.astype(buffer.dtype), mode="drop")
 
 
 class AttentionConfig(NamedTuple):

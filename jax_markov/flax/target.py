@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend
+from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_layer_rows
 
 
 class KVCache(NamedTuple):
@@ -69,15 +69,6 @@ class CausalLMConfig:
     def attention(self) -> AttentionConfig:
         return AttentionConfig(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                                self.rms_norm_eps, self.rope_theta, self.attention_bias)
-
-
-def write_layer_rows(buffer, layer: int, rows, start):
-    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at positions start[b] + t
-    of request b (rows past S are dropped): one scatter into the whole buffer, indexed by request and
-    position, which XLA does in place (a decode loop's cache is never copied)."""
-    b, t = rows.shape[:2]
-    positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
-    return buffer.at[layer, jnp.arange(b)[:, None], positions].set(rows.astype(buffer.dtype), mode="drop")
 
 
 class DecoderLayer(PreNormLayer):
