@@ -402,8 +402,8 @@ def set_xla_flags(deterministic: bool) -> str:
     computes and the profile of the verify step names it (in CUDA graphs the profiler sees the graph,
     not its kernels; the loops here launched no slower without them); with JAX_COMPILATION_CACHE_DIR,
     XLA's autotuning results kept beside it, so that a program loaded from the cache and one compiled
-    now choose alike (in one process XLA reuses its choice per fusion, which keeps the reference's and
-    the arms' kernels the same for the same fusion); deterministic: no autotuning and no kernels whose
+    now choose alike (separately compiled programs may still tune the same GEMM otherwise, which is
+    why the greedy check runs each arm's own program); deterministic: no autotuning and no kernels whose
     sums run in another order from run to run (atomics), every kernel a function of its fusion (the
     greedy check's strongest footing; much slower GEMMs). Returns the XLA_FLAGS in effect."""
     from jax._src import xla_bridge

@@ -350,7 +350,9 @@ def speculative_decode(target, drafter, prompt, prompt_lengths, *, max_new_token
     positions. Greedy rows commit only the target's argmax of a verify row, so their text is exactly
     `target_decode(..., verify_block_size=K)`'s, bit for bit, wherever the target computes each row of
     a block apart from the others (as `CausalLM` does: every op of a row is row-wise, or a GEMM or
-    attention over the cache whose row does not read the other rows).
+    attention over the cache whose row does not read the other rows) and XLA gives both programs the
+    same kernels (autotuning can differ between compilations; max_accepted=0 below needs no second
+    program).
 
     max_accepted: each verify step keeps at most this many drafts (`rejection_sample`); it is an
     argument of the compiled program, not part of it, so max_accepted=0 runs the very same program
@@ -447,7 +449,8 @@ def target_decode(target, prompt, prompt_lengths, *, max_new_tokens: int, temper
     the verify step, row for row: where GEMMs and attention of other shapes round otherwise (bf16 on
     a GPU), this is the reference whose greedy text speculative decoding reproduces bit for bit, as
     long as XLA gives the two programs the same kernels for the same shapes (autotuning can differ
-    between compilations: examples/speculative_decoding_gpu.py's `set_xla_flags`).
+    between compilations; `speculative_decode(..., max_accepted=0)` is the reference that holds
+    whatever XLA chose).
     lower=True: as in `speculative_decode`.
     """
     prompt, lengths, temperature, words = _prepare(prompt, prompt_lengths, temperature, key, max_new_tokens)

@@ -95,7 +95,7 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """A Qwen3-style causal LM (parameter names as Qwen3ForCausalLM: `model.layers.0...`, `lm_head.weight`).
-    Its KV cache holds `cache_dtype` (default: the parameters' dtype; attention reads it in float32)."""
+    Its KV cache holds `cache_dtype` (default: the parameters' dtype), which attention reads as it is."""
 
     def __init__(self, config: CausalLMConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  cache_dtype=None):
