@@ -86,16 +86,33 @@ def part_of(op_name: str) -> str | None:
 
 
 def self_times(events):
-    """[(module, op, self ns)] of one line's (start, end, module, op) events: each one's duration
-    less that of the events nested in it."""
-    out, stack = [], []  # stack: [end, index into out]
+    """[(module, op, ns)] of one line's (start, end, module, op) events: each instant of the line's busy
+    time goes to the latest-started event still running at it. An event that holds others (a loop's
+    thunk) thus gets its duration less theirs; of two kernels of one stream that overlap in part (the
+    next one launched while the last one's tail runs), the overlap goes to the later one, so no time
+    is counted twice or subtracted from an event that did not hold the other."""
+    out, running = [], []  # running: [end, index into out], latest-started last
+    cursor = None
+
+    def run_until(t):
+        nonlocal cursor
+        while running and cursor < t:
+            end, i = running[-1]
+            upto = min(end, t)
+            if upto > cursor:
+                out[i][2] += upto - cursor
+                cursor = upto
+            if end <= t:
+                running.pop()
+
     for start, end, module, op in sorted(events, key=lambda e: (e[0], -e[1])):
-        while stack and stack[-1][0] <= start:
-            stack.pop()
-        if stack:
-            out[stack[-1][1]][2] -= end - start
-        out.append([module, op, end - start])
-        stack.append([end, len(out) - 1])
+        if cursor is not None:
+            run_until(start)
+        cursor = start if cursor is None else max(cursor, start)
+        out.append([module, op, 0])
+        running.append([end, len(out) - 1])
+    if running:
+        run_until(max(end for end, _ in running))
     return out
 
 

@@ -67,6 +67,14 @@ def test_nested_events_count_their_self_time():
     assert {op: ns for _, op, ns in out} == {"while": 75, "a": 20, "b": 5, "c": 10}
 
 
+def test_kernels_that_overlap_in_part_share_the_busy_time():
+    # b starts (launched early) while a's tail runs; c holds d; e comes after a gap
+    events = [(0, 10, "m", "a"), (8, 20, "m", "b"), (20, 50, "m", "c"), (30, 35, "m", "d"), (60, 61, "m", "e")]
+    out = dp.self_times(events)
+    assert {op: ns for _, op, ns in out} == {"a": 8, "b": 12, "c": 25, "d": 5, "e": 1}
+    assert sum(ns for *_, ns in out) == 51  # the line's busy time, nothing counted twice
+
+
 @jax.jit
 def _loop(x, w):
     with jax.named_scope("prefill"):
