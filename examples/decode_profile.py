@@ -29,6 +29,8 @@ assert set(PARTS) == set(sp.STEP_SCOPES)
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_RESULT_TYPE = re.compile(r"=\s*(\([^)]*\)|\S+)\s")
+_NUMBERED = re.compile(r"\.\d+$")
 
 
 def common_prefix(names) -> str:
@@ -75,6 +77,20 @@ def hlo_op_names(hlo_text: str) -> tuple[str, dict[str, str]]:
         return [n for c in calls[inst] if c not in seen for n in computation_names(c, seen)]
 
     return module, {inst: common_prefix(instruction_names(inst, ())) for inst in own}
+
+
+def hlo_result_types(hlo_text: str) -> dict[str, str]:
+    """{instruction: its result type} of an HLO module's text (e.g. "bf16[16,8,562,128]{3,2,1,0}")."""
+    out = {}
+    for line in hlo_text.splitlines():
+        if (m := _INSTRUCTION.match(line)) and (t := _RESULT_TYPE.search(line, m.end() - 2)):
+            out[m.group(1)] = t.group(1)
+    return out
+
+
+def op_family(op: str) -> str:
+    """An HLO op's name without its number: the ops one kind of kernel runs under (one a layer)."""
+    return _NUMBERED.sub("", op)
 
 
 def part_of(op_name: str) -> str | None:
@@ -170,8 +186,12 @@ def step_split(run, iterations: int, top: int = 12) -> dict:
     """The parts of one verify step from a profile of one call of `run` (a decode of
     `jax_markov.speculative` whose keywords take lower=True; run once before, so that nothing
     compiles here): dict(ms={part: ms per loop iteration, REST: ...}, method=what was timed,
-    top_ops=the `top` ops of the loop that took longest, [part, HLO op, ms per loop iteration])."""
-    module, op_names = hlo_op_names(run(lower=True).compile().as_text())
+    top_ops=the `top` ops of the loop that took longest, [part, HLO op, ms per loop iteration, result
+    type], op_families=the `top` families of ops (`op_family`: a layer's ops of one kind together) that
+    took longest, [part, family, ms per loop iteration, ops, its heaviest op, that op's result type])."""
+    hlo = run(lower=True).compile().as_text()
+    module, op_names = hlo_op_names(hlo)
+    types = hlo_result_types(hlo)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, profiler_options=profile_options()):
             jax.block_until_ready(run())
@@ -182,5 +202,12 @@ def step_split(run, iterations: int, top: int = 12) -> dict:
               else "host time of its XLA thunks, each less the thunks inside it")
     per_iteration = 1e-6 / max(iterations, 1)
     heaviest = sorted(((ns, part, op) for (part, op), ns in ops.items() if part != sp.PREFILL_SCOPE), reverse=True)
+    families = defaultdict(list)  # (part, family) -> [(ns, op)], heaviest first
+    for ns, part, op in heaviest:
+        families[part, op_family(op)].append((ns, op))
+    by_family = sorted(((sum(ns for ns, _ in members), part, family, members) for (part, family), members
+                        in families.items()), key=lambda f: f[0], reverse=True)
     return dict(ms={part: ns * per_iteration for part, ns in times.items()}, method=method,
-                top_ops=[[part, op, ns * per_iteration] for ns, part, op in heaviest[:top]])
+                top_ops=[[part, op, ns * per_iteration, types.get(op, "")] for ns, part, op in heaviest[:top]],
+                op_families=[[part, family, ns * per_iteration, len(members), members[0][1],
+                              types.get(members[0][1], "")] for ns, part, family, members in by_family[:top]])

@@ -18,8 +18,9 @@ tokens each. Its arms are jitted decode loops (`jax_markov.speculative`): the ta
 drafter with the eager walk (the pure-JAX reference walking the bf16 head, impl="reference"), the
 int8 kernel (the int8 head, impl="ffi") and the bf16-head kernel (the bf16 head, impl="ffi"; off a
 GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. A run of an arm decodes
-the B requests, or at B = 1 sampled 4 requests one after another (`rounds_of`: the arms' sampled texts
-part at their first different draft, so one request's acceptance says little). Each arm is run once
+the B requests, or at B = 1 4 requests one after another (`rounds_of`: one request's acceptance length
+says little: a sampled arm's text parts from the others' at its first different draft, and a greedy
+text's acceptance moves with the near-ties that each compilation's GEMMs round their own way). Each arm is run once
 (untimed), then the arms run in turn (each repeat starting at the next arm) --repeats times; tokens/s
 is the new tokens over the median wall time of one run (prefill included, compilation excluded).
 Greedy arms must reproduce the target's own greedy text token for token (the exit status is 1 where
@@ -87,7 +88,7 @@ RESULTS = ROOT / "examples" / "results"
 # The target and drafter sizes (keys as in the toy example's configuration).
 QWEN3_4B = dict(vocab=QWEN3_4B_VOCAB, hidden=2560, intermediate=9728, target_layers=36, heads=32, kv_heads=8,
                 head_dim=128, drafter_layers=1, dtype="bfloat16", markov_rank=256, bigram_rank=128, sharpness=5.0,
-                context_scale=0.005, prompt_len=32, new_tokens=512, seed=0, sampled_b1_rounds=4)
+                context_scale=0.005, prompt_len=32, new_tokens=512, seed=0, b1_rounds=4)
 TINY = dict(QWEN3_4B, vocab=512, hidden=64, intermediate=128, target_layers=2, heads=4, kv_heads=2, head_dim=16,
             markov_rank=32, bigram_rank=16, context_scale=0.05, prompt_len=8, new_tokens=24)
 SETTINGS = [(k, b, mode) for mode in ("greedy", "sampled") for k in (7, 16) for b in (1, 16)]
@@ -116,12 +117,25 @@ def arm_drafter(drafters: dict, arm: str):
     return drafters["int8 head" if "int8" in arm else "bf16 head"]
 
 
-def rounds_of(cfg, batch: int, mode: str) -> int:
-    """Batches of B requests that one run decodes one after another: cfg["sampled_b1_rounds"] for a
-    sampled setting at B = 1, else one. A sampled arm's text leaves the other arms' at its first draft
-    that differs, so the acceptance length of one request varies too much from arm to arm to compare
-    them; the same requests in every arm, several of them, make the comparison."""
-    return cfg["sampled_b1_rounds"] if mode == "sampled" and batch == 1 else 1
+def rounds_of(cfg, batch: int) -> int:
+    """Batches of B requests that one run decodes one after another: cfg["b1_rounds"] at B = 1, else
+    one. The acceptance length of one request varies too much to compare arms: a sampled arm's text
+    leaves the others' at its first draft that differs, and a greedy text's drafts are accepted or not
+    at near-ties that each compiled program's GEMMs round their own way (the eager arm's one request
+    took 38 verify steps in one H100 run and 40 in another). The same requests in every arm, several
+    of them, make the comparison."""
+    return cfg["b1_rounds"] if batch == 1 else 1
+
+
+def round_arguments(cfg, batch: int, mode: str) -> list[dict]:
+    """The keywords of each round's decode: its B prompts, their lengths, the new tokens and, when
+    sampled, the temperatures and keys (every round's requests are others)."""
+    rounds = rounds_of(cfg, batch)
+    prompt, lengths = prompts(cfg, batch * rounds)
+    sampling = sampling_arguments(cfg, mode, batch * rounds)
+    return [dict(prompt=prompt[r * batch:(r + 1) * batch], prompt_lengths=lengths[r * batch:(r + 1) * batch],
+                 max_new_tokens=cfg["new_tokens"], **{k: v[r * batch:(r + 1) * batch] for k, v in sampling.items()})
+            for r in range(rounds)]
 
 
 class Rounds:
@@ -145,12 +159,7 @@ def loop_iterations(result, rounds: int) -> int:
 
 def decode_runs(target, drafters, cfg, batch: int, mode: str, arms) -> dict:
     """{arm: Rounds}: the target alone, then the drafter with each walk arm."""
-    rounds = rounds_of(cfg, batch, mode)
-    prompt, lengths = prompts(cfg, batch * rounds)
-    sampling = sampling_arguments(cfg, mode, batch * rounds)
-    parts = [dict(prompt=prompt[r * batch:(r + 1) * batch], prompt_lengths=lengths[r * batch:(r + 1) * batch],
-                  max_new_tokens=cfg["new_tokens"], **{k: v[r * batch:(r + 1) * batch] for k, v in sampling.items()})
-             for r in range(rounds)]
+    parts = round_arguments(cfg, batch, mode)
     runs = {"target": Rounds([functools.partial(sp.target_decode, target, **kw) for kw in parts])}
     for arm in arms:
         impl = "ffi" if arm.startswith("kernel") else "reference"
@@ -159,12 +168,12 @@ def decode_runs(target, drafters, cfg, batch: int, mode: str, arms) -> dict:
     return runs
 
 
-def reference_run(target, cfg, setting):
-    """The greedy reference of a setting: the target decoding alone on the verify step's K + 1 query rows."""
-    block_size, batch, _ = setting
-    prompt, lengths = prompts(cfg, batch)
-    return functools.partial(sp.target_decode, target, prompt, lengths, max_new_tokens=cfg["new_tokens"],
-                             verify_block_size=block_size)
+def reference_run(target, cfg, setting) -> Rounds:
+    """The greedy reference of a setting: the target decoding alone on the verify step's K + 1 query
+    rows, the same rounds of requests as the arms."""
+    block_size, batch, mode = setting
+    return Rounds([functools.partial(sp.target_decode, target, verify_block_size=block_size, **kw)
+                   for kw in round_arguments(cfg, batch, mode)])
 
 
 def time_interleaved(runs: dict, repeats: int, log):
@@ -254,7 +263,7 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
     own = {arm: jax.block_until_ready(runs[arm](max_accepted=0)) for arm in arms} if mode == "greedy" else {}
     memory = draft_memory(drafters, cfg, setting, arms, walks)
     rows = []
-    rounds = rounds_of(cfg, batch, mode)
+    rounds = rounds_of(cfg, batch)
     for arm, result in results.items():
         median = statistics.median(seconds[arm])
         iterations = loop_iterations(result, rounds)
@@ -271,7 +280,8 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
             split = decode_profile.step_split(runs[arm], iterations)
             row.update(acceptance_length=result.mean_acceptance_length(), accepted=int(jnp.sum(result.num_accepted)),
                        drafted=int(jnp.sum(result.num_steps)) * block_size, **memory[arm], parts_ms=split["ms"],
-                       parts_method=split["method"], top_ops=split["top_ops"])
+                       parts_method=split["method"], top_ops=split["top_ops"],
+                       op_families=split["op_families"])
         rows.append(row)
         log(f"  K={block_size} B={batch} {mode:7s} {ARM_NAMES[arm]:28s} {row['tokens_per_s']:9.1f} tok/s  "
             f"{row['ms_per_iteration']:7.2f} ms/iteration" + (f"  acceptance length {row['acceptance_length']:.3f}"
@@ -305,8 +315,10 @@ def programs(target, structures: dict, cfg, settings, arms) -> dict:
             out[program_key(setting, arm)] = functools.partial(run, lower=True)
         if mode == "greedy":
             out[("reference", block_size, batch)] = functools.partial(reference_run(target, cfg, setting), lower=True)
-            tokens = jnp.zeros((batch, cfg["prompt_len"] + cfg["new_tokens"]), jnp.int32)  # as `divergences` calls it
-            out[("logits_at", batch)] = functools.partial(logits_at.lower, target, tokens, jnp.ones(batch, jnp.int32))
+            requests = batch * rounds_of(cfg, batch)  # every round's, as `divergences` calls it
+            tokens = jnp.zeros((requests, cfg["prompt_len"] + cfg["new_tokens"]), jnp.int32)
+            out[("logits_at", requests)] = functools.partial(logits_at.lower, target, tokens,
+                                                             jnp.ones(requests, jnp.int32))
         for arm in arms:
             out[("walk", arm, *setting)] = functools.partial(gpu_measure.walk_program,
                                                              *walk_arguments(drafters, cfg, setting, arm))

@@ -103,12 +103,13 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def rounds_text(cfg: dict) -> str:
-    rounds = cfg.get("sampled_b1_rounds", 1)
+    rounds = cfg["b1_rounds"]
     if rounds == 1:
         return ""
-    return (f"; a run of a sampled setting at B = 1 decodes {rounds} requests one after another (an arm's text "
-            "leaves the others' at its first draft that differs, so one request's acceptance length varies too much "
-            "from arm to arm to compare them), its tokens/s all of their tokens over the run's time")
+    return (f"; a run of a setting at B = 1 decodes {rounds} requests one after another (one request's acceptance "
+            "length varies too much to compare arms: a sampled arm's text leaves the others' at its first draft "
+            "that differs, and greedy drafts are accepted or not at near-ties that each compiled program rounds its "
+            "own way), its tokens/s all of their tokens over the run's time")
 
 
 def title(report: dict) -> str:
@@ -179,7 +180,8 @@ def markdown(report: dict) -> str:
         "target's argmax); rest: ops of no part (the text and cache updates, the loop's control, ops that XLA fused "
         "across parts); the prefill is left out. Sum: the loop's profiled time per iteration, beside the timed loop "
         "iteration (wall time, which adds the prefill's share and the idle gaps between kernels). The .json's "
-        "`top_ops` give each arm's heaviest ops per loop iteration.",
+        "`top_ops` give each arm's heaviest ops per loop iteration, its `op_families` the heaviest kinds of op "
+        "(a layer's ops of one kind together).",
         "- published: the gain in output tokens/s of the published int8 kernel over its eager walk end to end on "
         "Qwen3-4B, one H100 (issue 66; shared/PEERS.md).",
         "",

@@ -61,6 +61,13 @@ def test_the_innermost_part_scope_names_the_part():
     assert ops == {("target forward", "a"): 6.0, (dp.REST, "b"): 3.0, ("prefill", "c"): 2.0}
 
 
+def test_result_types_and_families_come_from_the_hlo_text():
+    assert dp.hlo_result_types(HLO)["walk_fusion"] == "f32[4]{0}" and dp.hlo_result_types(HLO)["reduce.2"] == "f32[]"
+    tuple_line = "  %t.1 = (f32[4]{0}, s32[]) tuple(%a, %b)"
+    assert dp.hlo_result_types(tuple_line) == {"t.1": "(f32[4]{0}, s32[])"}
+    assert dp.op_family("wrapped_concatenate.52") == "wrapped_concatenate" and dp.op_family("ffi_call") == "ffi_call"
+
+
 def test_nested_events_count_their_self_time():
     # a loop's event (0-100) holding two ops (10-30, 40-45), and one op after it
     out = dp.self_times([(0, 100, "m", "while"), (10, 30, "m", "a"), (40, 45, "m", "b"), (100, 110, "m", "c")])
@@ -110,3 +117,10 @@ def test_a_profile_of_a_jitted_loop_attributes_its_time_to_the_scoped_parts():
     assert 0 < len(top) <= 12 and [t[2] for t in top] == sorted((t[2] for t in top), reverse=True)
     assert {t[0] for t in top} <= set(ms) and top[0][2] <= max(ms.values())
     assert {t[0] for t in top} >= {"target forward", "walk"}
+    # each op's result type, from the HLO text: the scoped parts' ops make [64, 512] floats
+    assert all(t[3] for t in top) and all(t[3].startswith("f32[64,512]") for t in top if t[0] != dp.REST)
+    # the same time by kinds of op: every family's ops under one name without its number
+    families = split["op_families"]
+    assert [f[2] for f in families] == sorted((f[2] for f in families), reverse=True)
+    assert all(f[3] >= 1 and dp.op_family(f[4]) == f[1] for f in families)
+    assert sum(f[2] for f in families) <= sum(ms.values()) + 1e-9 and families[0][2] >= top[0][2]
