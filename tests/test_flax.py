@@ -242,6 +242,19 @@ def test_target_cached_decoding_matches_a_plain_forward():
         model(tokens[:, :1], jnp.zeros(2, jnp.int32), cache, feature_layers=(3,))
 
 
+def test_rope_is_the_rotate_half_form_and_lowers_without_a_concatenate():
+    from jax_markov.flax.layers import rope
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)
+    positions = rng.integers(0, 64, (2, 3))  # small: the float32 angles stay within 1e-5 of the exact
+    got = np.asarray(rope(jnp.asarray(x), jnp.asarray(positions, jnp.int32), 1e6))
+    np.testing.assert_allclose(got, _rope(x.astype(np.float64), positions, 1e6), rtol=0, atol=2e-5)
+    # the rotation is one elementwise pass: XLA's GPU backend leaves concatenates unfused
+    text = jax.jit(rope, static_argnums=2).lower(jnp.asarray(x), jnp.asarray(positions, jnp.int32), 1e6).as_text()
+    assert "concatenate" not in text and "reverse" in text
+
+
 def test_the_kv_write_lands_each_request_at_its_own_position_in_one_layer():
     from jax_markov.flax.layers import write_layer_rows
 

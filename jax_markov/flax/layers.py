@@ -85,15 +85,18 @@ class MLP(nnx.Module):
 
 
 def rope(x, positions, theta: float):
-    """Rotary embedding (the default HF `rotate_half` form). x [B, T, heads, hd], positions [B, T]."""
+    """Rotary embedding (the default HF `rotate_half` form): x * cos + rotate_half(x) * sin, with
+    rotate_half(x) = (-x2, x1) for the halves x1, x2 of the last axis. x [B, T, heads, hd], positions
+    [B, T]. The halves are an axis of their own (a reshape), and rotate_half flips it and negates the
+    first: no concatenate, so that XLA fuses the whole rotation into one elementwise pass (on the GPU
+    it leaves concatenates standing alone)."""
     hd = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos, sin = jnp.cos(angles)[:, :, None, None, :], jnp.sin(angles)[:, :, None, None, :]
+    halves = x.reshape(*x.shape[:-1], 2, hd // 2)  # [B, T, heads, (x1, x2), hd/2]
+    rotated = jnp.flip(halves, axis=-2) * jnp.array([-1, 1], x.dtype)[:, None]  # (-x2, x1)
+    return (halves * cos + rotated * sin).reshape(x.shape)
 
 
 def attend(q, k, v, mask):
