@@ -259,7 +259,7 @@ def test_the_kv_write_lands_each_request_at_its_own_position_in_one_layer():
     from jax_markov.flax.layers import write_layer_rows
 
     rng = np.random.default_rng(4)
-    cache = rng.normal(size=(3, 4, 10, 2, 5)).astype(np.float32)  # [L, B, S, Hkv, d]
+    cache = rng.normal(size=(3, 4, 2, 10, 5)).astype(np.float32)  # [L, B, Hkv, S, d]
     rows = rng.normal(size=(4, 3, 2, 5)).astype(np.float32)  # [B, T, Hkv, d]
     start = np.array([0, 4, 7, 9])  # request 2 ends at the last position; request 3 runs past it
     got = np.asarray(jax.jit(write_layer_rows, static_argnums=1)(jnp.asarray(cache), 1, jnp.asarray(rows),
@@ -268,12 +268,29 @@ def test_the_kv_write_lands_each_request_at_its_own_position_in_one_layer():
     for b in range(4):
         for t in range(3):
             if start[b] + t < 10:
-                want[1, b, start[b] + t] = rows[b, t]  # past the cache: dropped
+                want[1, b, :, start[b] + t] = rows[b, t]  # past the cache: dropped
     np.testing.assert_array_equal(got, want)
     # the cache holds the parameters' dtype unless told otherwise
     assert jmf.CausalLM(TARGET, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).init_cache(1, 4).k.dtype == jnp.bfloat16
     model = jmf.CausalLM(TARGET, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, cache_dtype=jnp.float32)
-    assert model.init_cache(2, 4).v.dtype == jnp.float32 and model.init_cache(2, 4).k.shape == (3, 2, 4, 2, 8)
+    assert model.init_cache(2, 4).v.dtype == jnp.float32 and model.init_cache(2, 4).k.shape == (3, 2, 2, 4, 8)
+
+
+def test_attention_reads_the_cache_where_it_lies():
+    """The compiled forward copies no layer of the KV cache into another layout: its layout [L, B, Hkv,
+    S, d] is the one the batched products read (the CPU backend's HLO; a [B, S, Hkv, d] cache compiled
+    to a transposed copy of every layer's keys and values per forward)."""
+    import re
+
+    b, t, s = 2, 3, 11
+    model = jmf.CausalLM(TARGET, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    forward = nnx.jit(lambda m, tokens, start, cache: m(tokens, start, cache).logits)
+    hlo = forward.lower(model, jnp.zeros((b, t), jnp.int32), jnp.zeros(b, jnp.int32),
+                        model.init_cache(b, s)).compile().as_text()
+    layer = sorted((b, TARGET.num_key_value_heads, s, TARGET.head_dim))
+    moved = [m.group(0) for m in re.finditer(r"= \w+\[([\d,]+)\]\{[\d,]*\} (?:transpose|copy)\(", hlo)
+             if sorted(map(int, m.group(1).split(","))) == layer]
+    assert not moved, moved
 
 
 # -- the drafter -----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ..philox import gumbel_noise_range
 from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
-from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, write_layer_rows
+from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, heads_first, write_layer_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -161,8 +161,8 @@ class DSparkConfig:
 class DraftContext(NamedTuple):
     """The drafter's context cache: per layer, the keys and values of the projected target features."""
 
-    k: jax.Array  # [L, B, S, Hkv, d]
-    v: jax.Array  # [L, B, S, Hkv, d]
+    k: jax.Array  # [L, B, Hkv, S, d]: heads before positions, as attention reads them
+    v: jax.Array  # [L, B, Hkv, S, d]
 
 
 class Draft(NamedTuple):
@@ -178,11 +178,9 @@ class DraftLayer(PreNormLayer):
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         b, t = x.shape[:2]
-        keys = jnp.concatenate([ctx_k.astype(jnp.float32), k], axis=1)
-        values = jnp.concatenate([ctx_v.astype(jnp.float32), v], axis=1)
-        mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_k.shape[1])),
-                                jnp.ones((b, t, t), bool)], axis=2)
-        x = x + self.self_attn.output(attend(q, keys, values, mask))
+        context = (ctx_k, ctx_v, jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_k.shape[2])))
+        block = (heads_first(k), heads_first(v), jnp.ones((b, t, t), bool))
+        x = x + self.self_attn.output(attend(q, [context, block]))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -238,7 +236,7 @@ class DSparkDrafter(nnx.Module):
     # -- the context cache ---------------------------------------------------------------------
     def init_context(self, batch_size: int, max_length: int) -> DraftContext:
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
         return DraftContext(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
 
     def extend_context(self, features, start, context: DraftContext) -> DraftContext:
@@ -266,7 +264,7 @@ class DSparkDrafter(nnx.Module):
         ids = jnp.concatenate([anchor[:, None], jnp.full((b, k - 1), self.config.mask_token_id, jnp.int32)], axis=1)
         x = embed(ids).astype(jnp.float32) * self.config.input_embedding_scale
         positions = p[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-        visible = jnp.arange(context.k.shape[2], dtype=jnp.int32)[None, :] < p[:, None]
+        visible = jnp.arange(context.k.shape[3], dtype=jnp.int32)[None, :] < p[:, None]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, context.k[i], context.v[i], visible)
         return self.norm(x)

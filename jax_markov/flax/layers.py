@@ -99,29 +99,41 @@ def rope(x, positions, theta: float):
     return (halves * cos + rotated * sin).reshape(x.shape)
 
 
-def attend(q, k, v, mask):
-    """Grouped-query attention. q [B, T, H, d], k/v [B, S, Hkv, d], mask [B, T, S] (True = visible).
-    The products take q in k's dtype and the softmax weights in v's, and sum in float32: a bf16
-    cache is read as it is, never widened into a float32 copy (a float32 cache: all float32).
+def attend(q, segments):
+    """Grouped-query attention of q [B, T, H, d] over one or more segments of keys, each a triple
+    (k [B, Hkv, S, d], v [B, Hkv, S, d], mask [B, T, S], True = visible): one softmax over all of
+    their keys, in float32. Keys and values are laid out heads before positions, as the batched
+    products read them, so that a cache is read where it lies rather than copied into another layout
+    every forward; segments are scored apart and only their scores are joined, so that no segment's
+    keys are copied next to another's.
 
     Every query row must see at least one key."""
     b, t, h, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, t, hkv, h // hkv, d).astype(k.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    hkv = segments[0][0].shape[1]
+    q = q.reshape(b, t, hkv, h // hkv, d)
+    scores = [jnp.where(mask[:, None, None], jnp.einsum("btkgd,bksd->bkgts", q, k.astype(jnp.float32)) * (d ** -0.5),
+                        -jnp.inf) for k, _, mask in segments]
+    weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
+    out, offset = 0.0, 0
+    for (_, v, _), part in zip(segments, scores):
+        out = out + jnp.einsum("bkgts,bksd->btkgd", weights[..., offset:offset + part.shape[-1]], v.astype(jnp.float32))
+        offset += part.shape[-1]
     return out.reshape(b, t, h * d)
 
 
+def heads_first(x):
+    """[B, T, Hkv, d] keys or values as `attend` and the caches take them: [B, Hkv, T, d]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
 def write_layer_rows(buffer, layer: int, rows, start):
-    """buffer [L, B, S, ...] with rows [B, T, ...] written into layer `layer` at positions start[b] + t
-    of request b (rows past S are dropped): one scatter into the whole buffer, indexed by request and
-    position, which XLA does in place (a decode loop's cache is never copied)."""
-    b, t = rows.shape[:2]
+    """buffer [L, B, Hkv, S, d] with rows [B, T, Hkv, d] written into layer `layer` at positions
+    start[b] + t of request b (rows past S are dropped): one scatter into the whole buffer, indexed by
+    request, head and position, which XLA does in place (a decode loop's cache is never copied)."""
+    b, t, h = rows.shape[:3]
     positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
-    return buffer.at[layer, jnp.arange(b)[:, None], positions].set(rows.astype(buffer.dtype), mode="drop")
+    return buffer.at[layer, jnp.arange(b)[:, None, None], jnp.arange(h)[None, None, :], positions[:, :, None]].set(
+        rows.astype(buffer.dtype), mode="drop")
 
 
 class AttentionConfig(NamedTuple):

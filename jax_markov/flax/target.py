@@ -31,8 +31,8 @@ from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, a
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, S, Hkv, d]
-    v: jax.Array  # [L, B, S, Hkv, d]
+    k: jax.Array  # [L, B, Hkv, S, d]: heads before positions, as attention reads them
+    v: jax.Array  # [L, B, Hkv, S, d]
 
 
 class TargetOutput(NamedTuple):
@@ -78,9 +78,9 @@ class DecoderLayer(PreNormLayer):
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         cache = KVCache(write_layer_rows(cache.k, layer, k, start), write_layer_rows(cache.v, layer, v, start))
-        key_pos = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
+        key_pos = jnp.arange(cache.k.shape[3], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions[:, :, None]
-        x = x + self.self_attn.output(attend(q, cache.k[layer], cache.v[layer], mask))
+        x = x + self.self_attn.output(attend(q, [(cache.k[layer], cache.v[layer], mask)]))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
 
@@ -95,7 +95,8 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """A Qwen3-style causal LM (parameter names as Qwen3ForCausalLM: `model.layers.0...`, `lm_head.weight`).
-    Its KV cache holds `cache_dtype` (default: the parameters' dtype), which attention reads as it is."""
+    Its KV cache holds `cache_dtype` (default: the parameters' dtype) laid out [L, B, Hkv, S, d], as
+    attention reads it; attention computes in float32."""
 
     def __init__(self, config: CausalLMConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  cache_dtype=None):
@@ -111,7 +112,7 @@ class CausalLM(nnx.Module):
     # -- the target protocol -------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
         return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype))
 
     def embed(self, ids):
