@@ -108,7 +108,7 @@ def self_times(events):
     next one launched while the last one's tail runs), the overlap goes to the later one, so no time
     is counted twice or subtracted from an event that did not hold the other."""
     out, running = [], []  # running: [end, index into out], latest-started last
-    cursor = None
+    cursor = float("-inf")  # the instant up to which the busy time has been given out
 
     def run_until(t):
         nonlocal cursor
@@ -122,9 +122,8 @@ def self_times(events):
                 running.pop()
 
     for start, end, module, op in sorted(events, key=lambda e: (e[0], -e[1])):
-        if cursor is not None:
-            run_until(start)
-        cursor = start if cursor is None else max(cursor, start)
+        run_until(start)
+        cursor = max(cursor, start)
         out.append([module, op, 0])
         running.append([end, len(out) - 1])
     if running:

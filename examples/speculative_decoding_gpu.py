@@ -269,7 +269,8 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
         iterations = loop_iterations(result, rounds)
         tokens = rounds * batch * cfg["new_tokens"]
         row = dict(block_size=block_size, batch=batch, mode=mode, arm=arm, rounds=rounds, seconds=seconds[arm],
-                   tokens_per_s=tokens / median, tokens_per_s_range=[tokens / max(seconds[arm]), tokens / min(seconds[arm])],
+                   tokens_per_s=tokens / median,
+                   tokens_per_s_range=[tokens / max(seconds[arm]), tokens / min(seconds[arm])],
                    iterations=iterations, ms_per_iteration=median * 1e3 / iterations)
         if arm in own:
             row["divergences"] = divergences(target, result, own[arm])
