@@ -31,8 +31,8 @@ verify step's shapes and kernels). Beside it, informative only, the separately c
 the target decoding alone on the verify step's K + 1 query rows (`target_decode(...,
 verify_block_size=K)`), whose GEMMs XLA may tune otherwise; the target-alone arm is timed as the plain
 decode, one query row per forward, and compared with that reference. The script first sets XLA_FLAGS
-(`set_xla_flags`): XLA's command buffers off, so that the profile sees each kernel; --deterministic-xla
-also turns autotuning and atomics off.
+(`set_xla_flags`): XLA's command buffers off unless --command-buffers on; --deterministic-xla also
+turns autotuning and atomics off.
 
 One verify step is split into its parts from a profile of one decode of each arm
 (examples/decode_profile.py): the device time of every op of the loop (GPU kernels and copies; XLA's
@@ -397,6 +397,8 @@ def parser():
     p.add_argument("--new-tokens", type=int, help=f"new tokens per request (default {QWEN3_4B['new_tokens']})")
     p.add_argument("--context-scale", type=float,
                    help=f"the target's context term (default {QWEN3_4B['context_scale']})")
+    p.add_argument("--command-buffers", choices=("on", "off"), default="off",
+                   help="XLA's command buffers (CUDA graphs of a loop body's kernels; default off)")
     p.add_argument("--deterministic-xla", action="store_true",
                    help="--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true: no "
                         "autotuning, no atomics (the greedy check's strongest footing; much slower GEMMs)")
@@ -409,20 +411,20 @@ def parser():
     return p
 
 
-def set_xla_flags(deterministic: bool) -> str:
+def set_xla_flags(deterministic: bool, command_buffers: bool = False) -> str:
     """Adds to XLA_FLAGS, before JAX starts its backend (one already started keeps its flags, as in
-    the tests): XLA's command buffers off, so that every kernel of a loop is launched as the HLO op it
-    computes and the profile of the verify step names it (in CUDA graphs the profiler sees the graph,
-    not its kernels; the loops here launched no slower without them); with JAX_COMPILATION_CACHE_DIR,
-    XLA's autotuning results kept beside it, so that a program loaded from the cache and one compiled
-    now choose alike (separately compiled programs may still tune the same GEMM otherwise, which is
+    the tests): unless command_buffers, XLA's command buffers off, so that every kernel of a loop is
+    launched by the host as the HLO op it computes (with them, runs of a loop body's kernels are CUDA
+    graphs; the profile names each kernel either way, since XLA runs no graphs while profiling); with
+    JAX_COMPILATION_CACHE_DIR, XLA's autotuning results kept beside it, so that a program loaded from
+    the cache and one compiled now choose alike (separately compiled programs may still tune the same GEMM otherwise, which is
     why the greedy check runs each arm's own program); deterministic: no autotuning and no kernels whose
     sums run in another order from run to run (atomics), every kernel a function of its fusion (the
     greedy check's strongest footing; much slower GEMMs). Returns the XLA_FLAGS in effect."""
     from jax._src import xla_bridge
 
     flags = os.environ.get("XLA_FLAGS", "")
-    wanted = {"--xla_gpu_enable_command_buffer": ""}
+    wanted = {} if command_buffers else {"--xla_gpu_enable_command_buffer": ""}
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         autotune = Path(os.environ["JAX_COMPILATION_CACHE_DIR"]) / "xla_autotune"
         autotune.mkdir(parents=True, exist_ok=True)
@@ -446,7 +448,7 @@ def main(argv=None) -> int:
         out = args.out or RESULTS / f"speculative_decoding_{results_name(report['device'])}"
         print(write_report(report, out))
         return 0
-    xla_flags = set_xla_flags(args.deterministic_xla)
+    xla_flags = set_xla_flags(args.deterministic_xla, args.command_buffers == "on")
     device = jax.devices()[0]
     if args.out is None and device.platform != "gpu":
         p.error(f"no GPU (JAX's first device is {device}): name the report with --out")

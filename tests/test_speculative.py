@@ -329,16 +329,16 @@ def test_a_position_rounds_alike_alone_on_padded_rows_and_inside_a_verify_block(
                         cache)
         np.testing.assert_array_equal(alone.logits[:, 0], inside.logits[:, j])
         cache = alone.cache
-    for got, want in ((cache.k, inside.cache.k), (cache.v, inside.cache.v)):  # positions up to p + K
+    for got, want in zip(cache.k + cache.v, inside.cache.k + inside.cache.v):  # positions up to p + K
         np.testing.assert_array_equal(got[..., :p + K + 1, :], want[..., :p + K + 1, :])
 
 
 class RecordingLM(jmf.CausalLM):
-    """A CausalLM that records the shapes of every forward it traces: (tokens, cache.k)."""
+    """A CausalLM that records the shapes of every forward it traces: (tokens, a layer's keys)."""
     shapes: list = []
 
     def __call__(self, tokens, start, cache, **kwargs):
-        RecordingLM.shapes.append((tuple(tokens.shape), tuple(cache.k.shape)))
+        RecordingLM.shapes.append((tuple(tokens.shape), tuple(cache.k[0].shape)))
         return super().__call__(tokens, start, cache, **kwargs)
 
 
@@ -359,7 +359,7 @@ def test_the_reference_runs_the_target_at_the_verify_steps_shapes(greedy):
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         traced[name] = list(RecordingLM.shapes)
     b, p = prompt.shape
-    cache = (TARGET.num_hidden_layers, b, TARGET.num_key_value_heads, p + 24 + K + 1, TARGET.head_dim)
+    cache = (b, TARGET.num_key_value_heads, p + 24 + K + 1, TARGET.head_dim)
     assert traced["reference"] == traced["speculative"] == [((b, p), cache), ((b, K + 1), cache)]
     assert traced["plain"][1][0] == (b, 1)
 

@@ -212,4 +212,7 @@ def test_xla_flags_are_added_before_the_backend_starts_and_never_twice(monkeypat
     monkeypatch.setenv("XLA_FLAGS", "")
     assert gpu_example.set_xla_flags(False).split() == [
         "--xla_gpu_enable_command_buffer=", f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla_autotune'}"]
+    monkeypatch.setenv("XLA_FLAGS", "")  # command buffers on: XLA's default left alone
+    assert gpu_example.set_xla_flags(False, command_buffers=True).split() == [
+        f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla_autotune'}"]
     assert (tmp_path / "xla_autotune").is_dir()

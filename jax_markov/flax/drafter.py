@@ -27,7 +27,7 @@ from ..philox import gumbel_noise_range
 from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
-from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, heads_first, write_layer_rows
+from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, heads_first, write_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -161,8 +161,8 @@ class DSparkConfig:
 class DraftContext(NamedTuple):
     """The drafter's context cache: per layer, the keys and values of the projected target features."""
 
-    k: jax.Array  # [L, B, Hkv, S, d]: heads before positions, as attention reads them
-    v: jax.Array  # [L, B, Hkv, S, d]
+    k: tuple[jax.Array, ...]  # L x [B, Hkv, S, d]: a buffer a layer, laid out as the target's KVCache
+    v: tuple[jax.Array, ...]  # L x [B, Hkv, S, d]
 
 
 class Draft(NamedTuple):
@@ -236,8 +236,10 @@ class DSparkDrafter(nnx.Module):
     # -- the context cache ---------------------------------------------------------------------
     def init_context(self, batch_size: int, max_length: int) -> DraftContext:
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        return DraftContext(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        layers = range(c.num_hidden_layers)
+        return DraftContext(tuple(jnp.zeros(shape, jnp.float32) for _ in layers),
+                            tuple(jnp.zeros(shape, jnp.float32) for _ in layers))
 
     def extend_context(self, features, start, context: DraftContext) -> DraftContext:
         """Write the keys/values of target features [B, T, len(target_layer_ids) * H] for positions
@@ -249,10 +251,9 @@ class DSparkDrafter(nnx.Module):
         start = jnp.asarray(start, jnp.int32)
         positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
         ctx = self.hidden_norm(self.fc(features))
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, positions)
-            context = DraftContext(write_layer_rows(context.k, i, k, start), write_layer_rows(context.v, i, v, start))
-        return context
+        kv = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
+        return DraftContext(tuple(write_rows(buffer, k, start) for buffer, (k, _) in zip(context.k, kv)),
+                            tuple(write_rows(buffer, v, start) for buffer, (_, v) in zip(context.v, kv)))
 
     # -- the block ----------------------------------------------------------------------------
     def hidden(self, anchor, anchor_position, context: DraftContext, *, embed):
@@ -264,7 +265,7 @@ class DSparkDrafter(nnx.Module):
         ids = jnp.concatenate([anchor[:, None], jnp.full((b, k - 1), self.config.mask_token_id, jnp.int32)], axis=1)
         x = embed(ids).astype(jnp.float32) * self.config.input_embedding_scale
         positions = p[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-        visible = jnp.arange(context.k.shape[3], dtype=jnp.int32)[None, :] < p[:, None]
+        visible = jnp.arange(context.k[0].shape[2], dtype=jnp.int32)[None, :] < p[:, None]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, context.k[i], context.v[i], visible)
         return self.norm(x)

@@ -126,13 +126,13 @@ def heads_first(x):
     return jnp.swapaxes(x, 1, 2)
 
 
-def write_layer_rows(buffer, layer: int, rows, start):
-    """buffer [L, B, Hkv, S, d] with rows [B, T, Hkv, d] written into layer `layer` at positions
-    start[b] + t of request b (rows past S are dropped): one scatter into the whole buffer, indexed by
-    request, head and position, which XLA does in place (a decode loop's cache is never copied)."""
+def write_rows(buffer, rows, start):
+    """buffer [B, Hkv, S, d] (one layer's keys or values) with rows [B, T, Hkv, d] written at positions
+    start[b] + t of request b (rows past S are dropped): one scatter indexed by request, head and
+    position, which XLA does in place (a decode loop's cache is never copied)."""
     b, t, h = rows.shape[:3]
     positions = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
-    return buffer.at[layer, jnp.arange(b)[:, None, None], jnp.arange(h)[None, None, :], positions[:, :, None]].set(
+    return buffer.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, None, :], positions[:, :, None]].set(
         rows.astype(buffer.dtype), mode="drop")
 
 

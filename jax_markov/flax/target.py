@@ -27,12 +27,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_layer_rows
+from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_rows
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, Hkv, S, d]: heads before positions, as attention reads them
-    v: jax.Array  # [L, B, Hkv, S, d]
+    """Per layer, a buffer of its own (a layer's attention reads its buffer where it lies; a stacked
+    [L, ...] cache costs a copy of every layer's slice per forward), heads before positions, as the
+    batched products of attention read them."""
+
+    k: tuple[jax.Array, ...]  # L x [B, Hkv, S, d]
+    v: tuple[jax.Array, ...]  # L x [B, Hkv, S, d]
 
 
 class TargetOutput(NamedTuple):
@@ -72,17 +76,17 @@ class CausalLMConfig:
 
 
 class DecoderLayer(PreNormLayer):
-    def __call__(self, x, positions, cache: KVCache, layer: int, start):
-        """The layer's output, and the cache with its keys and values written into layer `layer`."""
+    def __call__(self, x, positions, k_cache, v_cache, start):
+        """The layer's output, and its key and value buffers [B, Hkv, S, d] with x's written in."""
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
-        cache = KVCache(write_layer_rows(cache.k, layer, k, start), write_layer_rows(cache.v, layer, v, start))
-        key_pos = jnp.arange(cache.k.shape[3], dtype=jnp.int32)
+        k_cache, v_cache = write_rows(k_cache, k, start), write_rows(v_cache, v, start)
+        key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions[:, :, None]
-        x = x + self.self_attn.output(attend(q, [(cache.k[layer], cache.v[layer], mask)]))
+        x = x + self.self_attn.output(attend(q, [(k_cache, v_cache, mask)]))
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        return x, k_cache, v_cache
 
 
 class Backbone(nnx.Module):
@@ -95,8 +99,8 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """A Qwen3-style causal LM (parameter names as Qwen3ForCausalLM: `model.layers.0...`, `lm_head.weight`).
-    Its KV cache holds `cache_dtype` (default: the parameters' dtype) laid out [L, B, Hkv, S, d], as
-    attention reads it; attention computes in float32."""
+    Its KV cache holds `cache_dtype` (default: the parameters' dtype), a [B, Hkv, S, d] buffer per layer
+    (`KVCache`); attention computes in float32."""
 
     def __init__(self, config: CausalLMConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  cache_dtype=None):
@@ -112,8 +116,10 @@ class CausalLM(nnx.Module):
     # -- the target protocol -------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        return KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype))
+        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        layers = range(c.num_hidden_layers)
+        return KVCache(tuple(jnp.zeros(shape, self.cache_dtype) for _ in layers),
+                       tuple(jnp.zeros(shape, self.cache_dtype) for _ in layers))
 
     def embed(self, ids):
         return self.model.embed_tokens(ids)
@@ -132,17 +138,20 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"feature layer {layer_id} is out of range [-1, {num_layers - 1}] "
                                  f"(-1 is the embedding output)")
         b, t = tokens.shape
-        if cache.k.shape[1] != b:
-            raise ValueError(f"the cache holds {cache.k.shape[1]} requests, tokens hold {b}")
+        if cache.k[0].shape[0] != b:
+            raise ValueError(f"the cache holds {cache.k[0].shape[0]} requests, tokens hold {b}")
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = self.embed(tokens)
         hidden = {-1: x}
+        ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(x, positions, cache, i, start)
+            x, k_cache, v_cache = layer(x, positions, cache.k[i], cache.v[i], start)
+            ks.append(k_cache)
+            vs.append(v_cache)
             hidden[i] = x
         logits = self.unembed(self.model.norm(x))
         features = jnp.concatenate([hidden[i] for i in feature_layers], axis=-1) if feature_layers else None
-        return TargetOutput(logits, features, cache)
+        return TargetOutput(logits, features, KVCache(tuple(ks), tuple(vs)))
 
 
 def bigram_lm(config: CausalLMConfig, *, rank: int, sharpness: float = 4.0, context_scale: float = 0.05,
