@@ -276,11 +276,14 @@ def test_the_kv_write_lands_each_request_at_its_own_position():
     assert model.init_cache(2, 4).v[2].dtype == jnp.float32 and model.init_cache(2, 4).k[1].shape == (2, 2, 4, 8)
 
 
-def test_attention_reads_the_cache_where_it_lies():
+def test_attention_reads_the_cache_where_it_lies_and_never_transposes_its_scores():
     """The compiled forward copies no layer of the KV cache: each layer's buffer [B, Hkv, S, d] is laid
     out as the batched products read it, and is a buffer of its own (the CPU backend's HLO; a [B, S,
     Hkv, d] cache compiled to a transposed copy of every layer's keys and values per forward, and a
-    stacked [L, B, Hkv, S, d] one to a slice copy of every layer's)."""
+    stacked [L, B, Hkv, S, d] one to a slice copy of every layer's). Nor does it transpose the scores
+    (B x H x T x S, the largest arrays of attention): an einsum of q [B, T, Hkv, G, d] compiled to
+    two transposed copies of them per layer."""
+    import math
     import re
 
     b, t, s = 2, 3, 11
@@ -289,10 +292,11 @@ def test_attention_reads_the_cache_where_it_lies():
     hlo = forward.lower(model, jnp.zeros((b, t), jnp.int32), jnp.zeros(b, jnp.int32),
                         model.init_cache(b, s)).compile().as_text()
     layer = sorted((b, TARGET.num_key_value_heads, s, TARGET.head_dim))
-    moved = [m.group(0) for m in re.finditer(r"= \w+\[([\d,]+)\]\{[\d,]*\} (?:transpose|copy|slice|dynamic-slice)\(",
-                                             hlo)
-             if sorted(int(n) for n in m.group(1).split(",") if n != "1") == layer]
-    assert not moved, moved
+    moved = [(m.group(0), [int(n) for n in m.group(1).split(",")])
+             for m in re.finditer(r"= \w+\[([\d,]+)\]\{[\d,]*\} (?:transpose|copy|slice|dynamic-slice)\(", hlo)]
+    assert not [text for text, dims in moved if sorted(n for n in dims if n != 1) == layer]
+    scores = b * TARGET.num_attention_heads * t * s
+    assert not [text for text, dims in moved if math.prod(dims) == scores]
 
 
 # -- the drafter -----------------------------------------------------------------------------------

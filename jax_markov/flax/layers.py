@@ -105,20 +105,29 @@ def attend(q, segments):
     their keys, in float32. Keys and values are laid out heads before positions, as the batched
     products read them, so that a cache is read where it lies rather than copied into another layout
     every forward; segments are scored apart and only their scores are joined, so that no segment's
-    keys are copied next to another's.
+    keys are copied next to another's. The queries are put in the products' order first ([B, Hkv,
+    T * G, d], G = H / Hkv query heads a key head), so that the scores come out [B, Hkv, T * G, S],
+    the layout the softmax and the product with the values read: only q and the output, not the
+    scores, are transposed.
 
     Every query row must see at least one key."""
     b, t, h, d = q.shape
     hkv = segments[0][0].shape[1]
-    q = q.reshape(b, t, hkv, h // hkv, d)
-    scores = [jnp.where(mask[:, None, None], jnp.einsum("btkgd,bksd->bkgts", q, k.astype(jnp.float32)) * (d ** -0.5),
-                        -jnp.inf) for k, _, mask in segments]
+    g = h // hkv
+    q = jnp.swapaxes(q.reshape(b, t, hkv, g, d), 1, 2).reshape(b, hkv, t * g, d).astype(jnp.float32)
+    batched = ((0, 1), (0, 1))
+    scores = []
+    for k, _, mask in segments:
+        part = lax.dot_general(q, k.astype(jnp.float32), (((3,), (3,)), batched)) * (d ** -0.5)
+        part = jnp.where(mask[:, None, :, None, :], part.reshape(b, hkv, t, g, -1), -jnp.inf)
+        scores.append(part.reshape(b, hkv, t * g, -1))
     weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
     out, offset = 0.0, 0
     for (_, v, _), part in zip(segments, scores):
-        out = out + jnp.einsum("bkgts,bksd->btkgd", weights[..., offset:offset + part.shape[-1]], v.astype(jnp.float32))
-        offset += part.shape[-1]
-    return out.reshape(b, t, h * d)
+        n = part.shape[-1]
+        out = out + lax.dot_general(weights[..., offset:offset + n], v.astype(jnp.float32), (((3,), (2,)), batched))
+        offset += n
+    return jnp.swapaxes(out.reshape(b, hkv, t, g, d), 1, 2).reshape(b, t, h * d)
 
 
 def heads_first(x):
