@@ -27,7 +27,7 @@ from ..philox import gumbel_noise_range
 from ..reference import gumbel_max_score, spec_argmax
 from . import checkpoint
 from .head import MarkovHead
-from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, heads_first, write_rows
+from .layers import AttentionConfig, Linear, PreNormLayer, RMSNorm, attend, heads_first, layer_buffers, write_rows
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -237,9 +237,8 @@ class DSparkDrafter(nnx.Module):
     def init_context(self, batch_size: int, max_length: int) -> DraftContext:
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        layers = range(c.num_hidden_layers)
-        return DraftContext(tuple(jnp.zeros(shape, jnp.float32) for _ in layers),
-                            tuple(jnp.zeros(shape, jnp.float32) for _ in layers))
+        return DraftContext(layer_buffers(c.num_hidden_layers, shape, jnp.float32),
+                            layer_buffers(c.num_hidden_layers, shape, jnp.float32))
 
     def extend_context(self, features, start, context: DraftContext) -> DraftContext:
         """Write the keys/values of target features [B, T, len(target_layer_ids) * H] for positions

@@ -135,6 +135,11 @@ def heads_first(x):
     return jnp.swapaxes(x, 1, 2)
 
 
+def layer_buffers(layers: int, shape, dtype) -> tuple:
+    """`layers` zero buffers of one shape: a cache's keys or values, a buffer a layer."""
+    return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
+
+
 def write_rows(buffer, rows, start):
     """buffer [B, Hkv, S, d] (one layer's keys or values) with rows [B, T, Hkv, d] written at positions
     start[b] + t of request b (rows past S are dropped): one scatter indexed by request, head and

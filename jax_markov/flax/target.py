@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, write_rows
+from .layers import AttentionConfig, Embedding, Linear, PreNormLayer, RMSNorm, attend, layer_buffers, write_rows
 
 
 class KVCache(NamedTuple):
@@ -117,9 +117,8 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        layers = range(c.num_hidden_layers)
-        return KVCache(tuple(jnp.zeros(shape, self.cache_dtype) for _ in layers),
-                       tuple(jnp.zeros(shape, self.cache_dtype) for _ in layers))
+        return KVCache(layer_buffers(c.num_hidden_layers, shape, self.cache_dtype),
+                       layer_buffers(c.num_hidden_layers, shape, self.cache_dtype))
 
     def embed(self, ids):
         return self.model.embed_tokens(ids)
