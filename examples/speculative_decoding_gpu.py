@@ -358,8 +358,12 @@ def build_and_compile(target, cfg, settings, arms, workers: int | None, log):
     ahead = compile_ahead.AheadOfTime(workers, log)
     for key in [key for key in plan if key[0] == "fit"]:
         ahead.submit(key, plan[key])
+    # The fit's thread calls nnx.jit functions, which write the state back into the module objects they
+    # are given; on the target that this thread lowers the programs from, a layer could be read while
+    # that write-back empties it. The fit reads a clone (new module objects, the same arrays).
+    fit_target = nnx.clone(target)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fit") as fitter:
-        fitted = fitter.submit(fit_heads, target, structures, cfg, ahead, log)
+        fitted = fitter.submit(fit_heads, fit_target, structures, cfg, ahead, log)
         for key, lower in plan.items():
             ahead.submit(key, lower)
         log(f"lowered {len(plan)} programs in {ahead.lowering_s:.1f} s")
