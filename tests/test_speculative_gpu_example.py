@@ -4,6 +4,8 @@ arms run the CPU custom call), and the head fit it shares with examples/speculat
 - the factored fit is the truncated SVD of the dense bias matrix that the toy example used to form;
 - drafters of two block sizes fitted from one computation of the target's factors get the heads that
   fitting each alone gives;
+- the heads' fit, on a thread of its own, reads a clone of the target (nnx.jit writes state back into
+  the modules it is given), not the target that the programs are lowered from meanwhile;
 - a run compiles every program it runs before the first run, and none of them again during the runs;
 - a run writes a report whose every arm ran, whose greedy arms reproduce the target's greedy text
   (each arm's own program with every draft set aside, and the separately compiled reference: the
@@ -67,6 +69,29 @@ def test_drafters_of_every_block_size_share_the_targets_factors_and_fit_as_alone
         for name in alone:
             for a, b in zip(jax.tree.leaves(nnx.state(alone[name])), jax.tree.leaves(nnx.state(shared[name]))):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_fit_reads_a_clone_of_the_target_that_the_programs_are_lowered_from(monkeypatch):
+    """The fit's thread calls nnx.jit functions, which write their state back into the modules they are
+    given: it gets module objects of its own (sharing the target's arrays), never those that the main
+    thread lowers the programs from at the same time."""
+    cfg = dict(gpu_example.TINY)
+    target = toy.build_target(cfg)
+    seen = []
+    fit_heads = gpu_example.fit_heads
+
+    def recording_fit(fit_target, *args):
+        shared = [a is b for a, b in zip(jax.tree.leaves(nnx.state(fit_target)), jax.tree.leaves(nnx.state(target)),
+                                         strict=True)]
+        seen.append((fit_target, shared))
+        return fit_heads(fit_target, *args)
+
+    monkeypatch.setattr(gpu_example, "fit_heads", recording_fit)
+    gpu_example.build_and_compile(target, cfg, [(3, 1, "greedy")], ["eager"], 2, lambda text: None)
+    [(fit_target, shared)] = seen
+    assert fit_target is not target
+    assert fit_target.model.layers[0] is not target.model.layers[0]
+    assert all(shared)  # when the fit starts, the same arrays: no copy of the weights
 
 
 @pytest.fixture(scope="module")
