@@ -157,7 +157,9 @@ def markdown(report: dict) -> str:
         "`lax.while_loop` (`jax_markov.speculative`)" + rounds_text(cfg) + ".",
         f"- tokens/s: new tokens of every request a run decodes over the median wall time of one run (prefill "
         f"included, compilation "
-        f"excluded; range: slowest and fastest run), the arms run in turn, {repeats} times each. "
+        f"excluded; range: slowest and fastest run), the arms run in turn, {repeats} times each (the target "
+        "alone, whose program does not depend on K, at the first block size of its batch and mode only: its "
+        "row at the other block size repeats that timing). "
         "Gain: over the eager walk's tokens/s at the same setting. Mean acceptance length: tokens per verify step "
         "(accepted drafts + 1). ms per iteration: the median run over its loop iterations; iteration gain: the "
         "eager walk's ms per iteration over the arm's, a speed that acceptance does not change (a sampled int8 "

@@ -4,6 +4,7 @@ arms run the CPU custom call), and the head fit it shares with examples/speculat
 - the factored fit is the truncated SVD of the dense bias matrix that the toy example used to form;
 - drafters of two block sizes fitted from one computation of the target's factors get the heads that
   fitting each alone gives;
+- the target alone is timed once per batch and mode (its program does not depend on K);
 - the heads' fit, on a thread of its own, reads a clone of the target (nnx.jit writes state back into
   the modules it is given), not the target that the programs are lowered from meanwhile;
 - a run compiles every program it runs before the first run, and none of them again during the runs;
@@ -69,6 +70,31 @@ def test_drafters_of_every_block_size_share_the_targets_factors_and_fit_as_alone
         for name in alone:
             for a, b in zip(jax.tree.leaves(nnx.state(alone[name])), jax.tree.leaves(nnx.state(shared[name]))):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_target_alone_is_timed_once_per_batch_and_mode():
+    """Its program does not depend on K: the first block size of a batch and mode times it beside the
+    drafter arms, a later one times only the drafter arms and repeats that timing."""
+    calls = {}
+
+    def run(name):
+        def fn():
+            calls[name] = calls.get(name, 0) + 1
+            return f"{name} result"
+        return fn
+
+    timings = {}
+    first, first_seconds = gpu_example.time_arms({"target": run("target"), "eager": run("eager")}, 2,
+                                                 lambda text: None, timings, (1, "greedy"))
+    assert calls == {"target": 3, "eager": 3}  # one untimed first run, then 2 timed
+    later, later_seconds = gpu_example.time_arms({"target": run("target"), "eager": run("eager")}, 2,
+                                                 lambda text: None, timings, (1, "greedy"))
+    assert calls == {"target": 3, "eager": 6}
+    assert list(later) == ["target", "eager"] and later["target"] == "target result"
+    assert later_seconds["target"] is first_seconds["target"] and len(later_seconds["eager"]) == 2
+    gpu_example.time_arms({"target": run("target"), "eager": run("eager")}, 2, lambda text: None, timings,
+                          (2, "greedy"))
+    assert calls == {"target": 6, "eager": 9}  # another batch: the target alone is timed again
 
 
 def test_the_fit_reads_a_clone_of_the_target_that_the_programs_are_lowered_from(monkeypatch):
