@@ -270,8 +270,7 @@ def measure_setting(target, drafters, cfg, setting, arms, repeats: int, log, wal
     arm against its own program with every draft set aside, max_accepted=0; beside it, and for the
     target alone, the separately compiled reference on the verify step's K + 1 query rows), the verify
     step's parts from a profile of one decode and the draft path's memory (walks: {arm: its compiled
-    walk}). The target alone does not depend on K: it is timed at the first setting of its batch and
-    mode, and target_timings ({(B, mode): (result, seconds)}) gives its timing to the other K."""
+    walk}); target_timings: the target alone's timing per batch and mode (`time_arms`)."""
     block_size, batch, mode = setting
     runs = decode_runs(target, drafters, cfg, batch, mode, arms)
     results, seconds = time_arms(runs, repeats, log, target_timings, (batch, mode))
@@ -418,7 +417,8 @@ def parser():
     p.add_argument("--context-scale", type=float,
                    help=f"the target's context term (default {QWEN3_4B['context_scale']})")
     p.add_argument("--command-buffers", choices=("on", "off"), default="off",
-                   help="XLA's command buffers (CUDA graphs of a loop body's kernels; default off)")
+                   help="XLA's command buffers (CUDA graphs of a loop body's kernels; default off: with them "
+                        "the verify step's profile cannot split the step into its parts)")
     p.add_argument("--deterministic-xla", action="store_true",
                    help="--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true: no "
                         "autotuning, no atomics (the greedy check's strongest footing; much slower GEMMs)")
@@ -434,10 +434,11 @@ def parser():
 def set_xla_flags(deterministic: bool, command_buffers: bool = False) -> str:
     """Adds to XLA_FLAGS, before JAX starts its backend (one already started keeps its flags, as in
     the tests): unless command_buffers, XLA's command buffers off, so that every kernel of a loop is
-    launched by the host as the HLO op it computes (with them, runs of a loop body's kernels are CUDA
-    graphs; the profile names each kernel either way, since XLA runs no graphs while profiling); with
-    JAX_COMPILATION_CACHE_DIR, XLA's autotuning results kept beside it, so that a program loaded from
-    the cache and one compiled now choose alike (separately compiled programs may still tune the same GEMM otherwise, which is
+    launched by the host as the HLO op it computes and the profile finds each op's named scope (with
+    them, runs of a loop body's kernels are CUDA graphs, and on the H100 the verify step's whole
+    profile fell to "rest": no op kept its part); with JAX_COMPILATION_CACHE_DIR, XLA's autotuning
+    results kept beside it, so that a program loaded from the cache and one compiled now choose alike
+    (separately compiled programs may still tune the same GEMM otherwise, which is
     why the greedy check runs each arm's own program); deterministic: no autotuning and no kernels whose
     sums run in another order from run to run (atomics), every kernel a function of its fusion (the
     greedy check's strongest footing; much slower GEMMs). Returns the XLA_FLAGS in effect."""
