@@ -11,6 +11,14 @@ namespace jax_markov {
 // The shared-memory address of a generic pointer into shared memory, as PTX's shared instructions take it.
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// 16 bytes from a shared address. Volatile: kept in order with the cp.async waits and barriers that
+// make the bytes ready.
+__device__ __forceinline__ uint4 LoadShared16(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, bool fill) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem_dst)), "l"(src), "r"(fill ? 16 : 0)
                : "memory");

@@ -66,7 +66,8 @@ struct WalkCta {
   unsigned char* staged;
   float *noise, *noise_tile;
   unsigned char *out_buffer, *resident;
-  uint32_t out_column;  // this lane's stmatrix column address in out_buffer
+  uint32_t out_column;     // this lane's stmatrix column address in out_buffer
+  uint32_t resident_lane;  // this lane's 16 bytes of resident tile 0, as a shared address
   int stage_rows;       // the CTA's rows (tiles_per_cta x 16)
   bool noise_tiles, staged_out, f32_out;
   // Where this CTA and thread are.
@@ -153,6 +154,10 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   noise_tile = reinterpret_cast<float*>(smem + parts.noise_tiles) + warp * Smem::NoiseTileFloats(a.batch);
   out_buffer = smem + parts.out_stage + warp * out_stage_bytes;
   resident = smem + parts.resident;
+  // Opaque to the compiler, so that it keeps the address in a register: derived from `resident`, it
+  // was recomputed from the shared window's base (S2UR SR_CgaCtaId and 9 more instructions) every tile.
+  resident_lane = SharedAddress(resident) + lane * 16;
+  asm volatile("" : "+r"(resident_lane));
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
   out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem::kOutStageBytes : 0);

@@ -143,7 +143,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     // step 0 left it. Two copies of the operand code (no register copies of the prefetch registers),
     // one of the MMAs and one of the epilogue.
     float dot_a[kSlots], dot_b[kSlots];
-    uint4* slot = reinterpret_cast<uint4*>(resident + size_t(j) * T::kTileBytes) + lane;
+    const uint32_t slot = resident_lane + uint32_t(j) * T::kTileBytes;  // 16 bytes a lane, chunks 512 apart
     // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed tile, or
     // those of a resident one from shared memory (zeros for a warp past its tiles).
     const auto WithChunks = [&](const auto& use) {
@@ -153,7 +153,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
         uint4 q[kChunks];
         if (active) {
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = slot[i * 32];
+          for (int i = 0; i < kChunks; ++i) q[i] = LoadShared16(slot + i * 512);
         } else {
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
@@ -195,7 +195,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
       if (streamed) {
         PairOperandDots([&](int s) { return FragmentChunk<W2>(pre, s, true); });
       } else {
-        PairOperandDots([&](int s) { return active ? slot[s * 32] : make_uint4(0, 0, 0, 0); });
+        PairOperandDots([&](int s) { return active ? LoadShared16(slot + s * 512) : make_uint4(0, 0, 0, 0); });
       }
     } else if constexpr (!kWgmma) {
       constexpr int kChains = T::kChains;
