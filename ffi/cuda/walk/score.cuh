@@ -25,10 +25,15 @@ __device__ __forceinline__ void WalkCta<T>::LoadResident(int i) {
   CpAsyncCommit();
 }
 
+// A fragment-order chunk's words as EREGS's B operands take them: rows g (words x, z) and g + 8
+// (y, w) of the k-step, each pair in adjacent words, so that the registers of one 16-byte load are the
+// IMMAs' register pairs as they stand (no moves).
+__device__ __forceinline__ uint4 PairOrder(uint4 q) { return make_uint4(q.x, q.z, q.y, q.w); }
+
 // Step 0 lands this warp's resident tile i: its load waited for once the tile kLoadAhead ahead is
-// issued, then (where the MMA takes tile words as operands) its chunks stored back in fragment order
-// (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion takes its words from
-// anywhere, so that path keeps its resident tiles in row order).
+// issued, then (where the MMA takes tile words as operands) its chunks stored back in fragment order,
+// EREGS's in PairOrder (each lane rewrites only the chunks it copied; the int8 -> fp16 conversion
+// takes its words from anywhere, so that path keeps its resident tiles in row order).
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::LandResident(int i) {
   constexpr int kLoadAhead = T::kLoadAhead;
@@ -41,7 +46,10 @@ __device__ __forceinline__ void WalkCta<T>::LandResident(int i) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) rows[c] = slot[c * 32];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) slot[c * 32] = FragmentChunk<W2>(rows, c, true);
+    for (int c = 0; c < kChunks; ++c) {
+      const uint4 q = FragmentChunk<W2>(rows, c, true);
+      slot[c * 32] = EREGS ? PairOrder(q) : q;
+    }
   }
 }
 
@@ -175,8 +183,8 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
       }
     };
     // EREGS: the digit dot products of requests 8m + g with rows 8h + 2t + c of the tile (acc[m][h]:
-    // digits 0 at c, 1 at 2 + c). Each k-step's fragment words, from the prefetch registers of a
-    // streamed tile or one 16-byte load of a resident one (fragment order), are the B operand of both
+    // digits 0 at c, 1 at 2 + c). Each k-step's fragment words in PairOrder, from the prefetch
+    // registers of a streamed tile or one 16-byte load of a resident one, are the B operands of both
     // n-tiles.
     int acc[EREGS ? 2 : 1][2][4] = {};
     const auto PairOperandDots = [&](const auto& step_words) {
@@ -186,14 +194,14 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           const uint4 e = e_operands[m][s];
-          Imma16832(acc[m][0], e.x, e.y, e.z, e.w, q.x, q.z);
-          Imma16832(acc[m][1], e.x, e.y, e.z, e.w, q.y, q.w);
+          Imma16832(acc[m][0], e.x, e.y, e.z, e.w, q.x, q.y);
+          Imma16832(acc[m][1], e.x, e.y, e.z, e.w, q.z, q.w);
         }
       }
     };
     if constexpr (EREGS) {
       if (streamed) {
-        PairOperandDots([&](int s) { return FragmentChunk<W2>(pre, s, true); });
+        PairOperandDots([&](int s) { return PairOrder(FragmentChunk<W2>(pre, s, true)); });
       } else {
         PairOperandDots([&](int s) { return active ? LoadShared16(slot + s * 512) : make_uint4(0, 0, 0, 0); });
       }
