@@ -124,6 +124,9 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
   // Only the wgmma kernels run past a warp's own tiles (loop_tiles); saying so at compile time leaves
   // the operand zeroing of a warp past its tiles out of the mma.sync kernels' tile loop.
   const int n_tiles = kWgmma ? loop_tiles : tiles.total();
+  // EREGS's loop two tiles an iteration: the held tile's accumulators and base logits alternate
+  // between two register sets instead of being copied (20 moves a tile).
+#pragma unroll(EREGS ? 2 : 1)
   for (int n = 0; n < n_tiles; ++n) {
     const bool active = !kWgmma || n < tiles.total();
     const int j = next_tile;
