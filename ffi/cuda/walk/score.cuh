@@ -98,7 +98,8 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     for (int i = 0; i < tiles.n_resident; ++i) LandResident(i);
   }
   int im = 0, is = 0;
-  int streamed_slot = tiles.StreamedSlot(0);
+  StreamedSlots slots(tiles.total(), tiles.n_streamed);
+  int streamed_slot = T::kSteppedSlots ? slots.slot : tiles.StreamedSlot(0);
   bool next_streamed = streamed_slot == 0;
   // A step's first streamed tile is in `pre` already (kKeepsStreamed: the one the step before scored last).
   const int order = T::kKeepsStreamed ? k : 0;  // WarpTiles::Streamed's step
@@ -136,7 +137,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     if (active) {
       if (streamed) {
         ++is;
-        streamed_slot = tiles.StreamedSlot(is);
+        streamed_slot = T::kSteppedSlots ? slots.Next() : tiles.StreamedSlot(is);
       } else {
         if (T::kStep0InLoop && k == 0) LandResident(im);
         ++im;

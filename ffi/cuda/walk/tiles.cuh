@@ -45,6 +45,26 @@ struct WarpTiles {
   __device__ int StreamedSlot(int is) const { return is < n_streamed ? (is * total()) / n_streamed : total(); }
 };
 
+// WarpTiles::StreamedSlot(0), StreamedSlot(1), ..., StreamedSlot(n_streamed) stepped without a division
+// a tile: floor(is total / n_streamed) = is q + floor(is r / n_streamed), with q and r the quotient and
+// remainder of total / n_streamed (r < n_streamed: a step carries at most one). `slot` is tile 0's;
+// Next() moves to the next tile's.
+struct StreamedSlots {
+  int slot, carry, q, r, n;
+  __device__ StreamedSlots(int total, int n_streamed)
+      : slot(n_streamed > 0 ? 0 : total), carry(0), q(n_streamed > 0 ? total / n_streamed : 0),
+        r(n_streamed > 0 ? total % n_streamed : 0), n(n_streamed) {}
+  __device__ int Next() {
+    slot += q;
+    carry += r;
+    if (carry >= n) {
+      carry -= n;
+      ++slot;
+    }
+    return slot;
+  }
+};
+
 // Chunk i of lane (g, t)'s share of the tile starting at row0: row row0 + g for the first half of
 // the chunks, row0 + g + 8 for the second, chunk 4 (i mod half) + t of that row. Rows past V read
 // row V - 1 instead (their scores are never used).
