@@ -112,7 +112,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     if constexpr (EREGS) {
       LoadBasePairs<kSlots, STAGED>(a, staged, line, row0, t, ba, bb);
     } else {
-      LoadBaseBits<kSlots, STAGED>(a, staged, line, row0, g, ba, bb);
+      LoadBaseBits<kSlots, STAGED, T::kBF16Base>(a, staged, line, row0, g, ba, bb);
     }
   };
   if (kBaseAhead && tiles.total() > 0) LoadBase(RowOf(next_tile), base_a, base_b);

@@ -138,13 +138,14 @@ __device__ __forceinline__ uint32_t BaseLine(const WalkArgs& a, int stage_rows, 
 
 // Raw bits of the base logits that lane (g, t) combines with a tile's dot products: rows row0 + g
 // (ba) and row0 + g + 8 (bb) of every request it owns (`line`: BaseLine), at clamped (always valid)
-// indices. All loads of one call issue before any is used.
-template <int kSlots, bool STAGED>
+// indices. All loads of one call issue before any is used. BF16_BASE: the launch's base logits are
+// bf16 (a known launch form), and no other dtype's loads are compiled.
+template <int kSlots, bool STAGED, bool BF16_BASE>
 __device__ __forceinline__ void LoadBaseBits(const WalkArgs& a, const unsigned char* staged, const uint32_t (&line)[kSlots],
                                              int row0, int g, uint32_t (&ba)[kSlots], uint32_t (&bb)[kSlots]) {
   const uint32_t ra = min(row0 + g, a.vocab - 1), rb = min(row0 + g + 8, a.vocab - 1);
   const void* base = STAGED ? static_cast<const void*>(staged) : a.base;
-  if (a.base_dtype == kF32) {
+  if (!BF16_BASE && a.base_dtype == kF32) {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const unsigned int* p = static_cast<const unsigned int*>(base);

@@ -20,6 +20,8 @@ struct WalkTraits {
   static constexpr int W2 = W2_, THREADS = THREADS_, FORM = FORM_;
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(FORM == kAnyForm || DIGITS || EREGS, "only the digit kernel has instances for the known launch forms");
+  // A known launch form's base logits are bf16 (the plan: walk_plan.cc).
+  static constexpr bool kBF16Base = FORM != kAnyForm;
   static_assert(!EREGS || (NT == 2 && !SPLIT && !DIGITS && !PAIRS && W2 == kW2Int8 && FORM == kPlainForm),
                 "e as the A operand: 9-16 requests' digit pairs, int8 W2, greedy with no logits out");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
