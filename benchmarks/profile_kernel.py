@@ -6,6 +6,10 @@ or (--device-times) times its launches itself from the device activity that jax.
     compute-sanitizer --tool memcheck python3 benchmarks/profile_kernel.py 5003,3,3,probabilistic
     python3 benchmarks/profile_kernel.py --device-times 151936,7,64,greedy 151936,7,24,probabilistic
     python3 benchmarks/profile_kernel.py --tokens 151936,7,64,greedy 5003,3,17,greedy
+    python3 benchmarks/profile_kernel.py --device-times 151936,7,1,greedy 151936,7,1,greedy,certified
+
+The head of a config is int8 (the default), certified (a CertifiedMarkovHead of the same weights: its
+certified walk, 1-2 requests) or bf16.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
@@ -46,12 +50,14 @@ def walk_options(mode: str, batch: int) -> dict:
 
 
 def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"):
-    """The jitted walk of one configuration and its inputs; head_format "int8" (quantized) or "bf16"."""
+    """The jitted walk of one configuration and its inputs; head_format "int8" (quantized), "certified"
+    (quantize(head, certified=True): the certified walk of 1-2 requests) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
-    head = jm.quantize(head) if head_format == "int8" else head
+    if head_format in ("int8", "certified"):
+        head = jm.quantize(head, certified=head_format == "certified")
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = walk_options(mode, batch)
@@ -125,9 +131,10 @@ def launch_plan(spec: str) -> list[dict]:
 
     vocab, steps, batch, mode, head_format = parse(spec)
     kw = walk_options(mode, batch)
-    w2_dtype = jnp.int8 if head_format == "int8" else jnp.bfloat16
+    w2_dtype = jnp.int8 if head_format in ("int8", "certified") else jnp.bfloat16
     return native.cuda_launch_plan(batch, steps, vocab, 256, jnp.bfloat16, w2_dtype, base_dtype=jnp.bfloat16,
-                                   logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw)
+                                   logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw,
+                                   certified=head_format == "certified")
 
 
 def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:

@@ -20,7 +20,7 @@ def walk(base_logits, anchor, head, *, temperature=None, key=None, position=None
       CertifiedMarkovHead (`quantize(head, certified=True)`): int8 W2 whose greedy rows choose exactly
       what the unquantized head chooses with the same arguments, while sampled rows and the returned
       logits (for every row) are the int8 head's (see CertifiedMarkovHead). Under jit on a CUDA device
-      the reference walks it (impl="ffi" is an error there: the kernel does not walk it yet).
+      the kernel walks it for up to 2 requests, the reference for more (impl="ffi" is an error there).
     temperature: [B] float array, or any real scalar; 0 (or negative, or NaN) = greedy, +inf = uniform
       over the columns that are neither masked (-inf) nor padding; None = every row greedy.
     key: one PRNG key per request ([B] typed keys or [B, 2] uint32), required with temperature.

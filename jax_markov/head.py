@@ -111,8 +111,9 @@ class CertifiedMarkovHead:
     - the returned logits are the int8 logits for every row, greedy ones included (rejection sampling
       needs the distribution that sampled rows drew from); embeds, d2t, vocab_size and logit_scale
       mean what they mean for any head (the bound scales with |logit_scale|).
-    The reference computes both biases in full; on a GPU the reference walks this head (the CUDA
-    kernel does not yet), and jax_markov.sharding.walk refuses it.
+    The reference computes both biases in full. On a GPU the CUDA kernel walks this head for up to 2
+    requests, the same way a warp at a time (ffi/cuda/walk/certified.cuh), and the reference for more;
+    jax_markov.sharding.walk refuses it.
     """
 
     quantized: QuantizedMarkovHead

@@ -101,16 +101,17 @@ def cuda_columns_per_request(w1_dtype, w2_dtype) -> int:
 
 
 def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype, *, base_dtype=np.float32,
-                     logits_dtype=None, sampling: bool = False, props: dict | None = None) -> list[dict]:
+                     logits_dtype=None, sampling: bool = False, props: dict | None = None,
+                     certified: bool = False) -> list[dict]:
     """The launches of a CUDA walk (ffi/plan/walk_plan.h) on this machine's GPU (an H100/H200 where none
     can be asked, or `props`): per launch its kernel, requests, threads, shared memory and resident W2
     tiles, whether its rows may sample, and when it walks ("run_when": "always", or for a sampled call
     whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples",
-    decided on the device from the temperatures). ValueError naming the limit where the kernel cannot
-    walk the call."""
+    decided on the device from the temperatures). certified: a CertifiedMarkovHead's walk. ValueError
+    naming the limit where the kernel cannot walk the call."""
     return [dict(p) for p in _plan_module().plan(
         batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), _name(base_dtype),
-        None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties())]
+        None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties(), certified)]
 
 
 def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, logits_out: bool = False,
@@ -125,14 +126,16 @@ def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, logits_out: bo
 
 
 def cuda_unsupported_reason(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype, *,
-                            base_dtype=np.float32, logits_dtype=None, sampling: bool = False) -> str | None:
-    """Why the CUDA kernel cannot run this walk on this machine's GPUs, or None if it can (see
-    `cuda_auto_declines` for where impl="auto" prefers the reference although it can)."""
+                            base_dtype=np.float32, logits_dtype=None, sampling: bool = False,
+                            certified: bool = False) -> str | None:
+    """Why the CUDA kernel cannot run this walk (certified: of a CertifiedMarkovHead) on this machine's
+    GPUs, or None if it can (see `cuda_auto_declines` for where impl="auto" prefers the reference
+    although it can)."""
     if _markov_cuda is None:
         return "the jax_markov CUDA module is not built (nvcc was not found at install time)"
     return _plan_module().unsupported(batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), _name(base_dtype),
                                       None if logits_dtype is None else _name(logits_dtype), sampling,
-                                      _gpu_properties())
+                                      _gpu_properties(), certified)
 
 
 def cuda_auto_declines(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype) -> str | None:

@@ -2,8 +2,8 @@
 
 cpu  -> the C++ custom call when built, else the reference;
 cuda -> the cooperative sm_90 kernel when the configuration fits it (for impl="auto" with an
-        unquantized head, up to native.CUDA_FLOAT_W2_AUTO_MAX_BATCH requests; never a
-        CertifiedMarkovHead), else the reference;
+        unquantized head, up to native.CUDA_FLOAT_W2_AUTO_MAX_BATCH requests; a CertifiedMarkovHead
+        up to the plan's batch limit), else the reference;
 any other platform -> the reference (`mlir.lower_fun` of reference.walk_operands).
 Under jit on a mesh the custom call is partitioned along the requests (custom_partitioning): each
 device walks its own rows.
@@ -81,7 +81,7 @@ def _reference_rule(ctx, *args, params):
 
 def _ffi_call(params, *ops):
     """The custom call on operands as its device holds them (all of them, or its own rows): the
-    walk's nine, and a CertifiedMarkovHead's two after them (the CPU target only)."""
+    walk's nine, and a CertifiedMarkovHead's two after them."""
     shapes = arguments.output_shapes(arguments.WalkOperands(*ops[:_WALK_OPERANDS]), params)
     return jax.ffi.ffi_call(native.TARGET, shapes)(
         *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale),
@@ -167,20 +167,17 @@ def _cpu_rule(ctx, *args, params):
 def _cuda_rule(ctx, *args, params):
     if params.impl == "reference":
         return _reference_rule(ctx, *args, params=params)
-    if arguments.is_certified(_split(ctx.avals_in)[1]):
-        if params.impl == "ffi":
-            raise ValueError("impl='ffi' on cuda: the CUDA kernel does not walk a CertifiedMarkovHead yet (its greedy "
-                             "rows' exact re-scoring is in the reference and the CPU custom call only); use "
-                             "impl='auto' (the reference on cuda) or walk head.quantized")
-        return _reference_rule(ctx, *args, params=params)
+    # A CertifiedMarkovHead walks on the kernel where the plan takes it (its batch limit), with its
+    # certificate's two operands; elsewhere on the reference.
+    certified = arguments.is_certified(_split(ctx.avals_in)[1])
     base, _, w1, w2 = ctx.avals_in[:4]
     batch, steps, vocab = base.shape
     reason = native.cuda_unsupported_reason(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype, base_dtype=base.dtype,
                                             logits_dtype=params.logits_dtype if params.return_logits else None,
-                                            sampling=params.sampling)
+                                            sampling=params.sampling, certified=certified)
     if reason is None and (params.impl == "ffi" or
                            native.cuda_auto_declines(batch, steps, vocab, w1.shape[1], w1.dtype, w2.dtype) is None):
-        return _ffi_rule(ctx, *args, params=params, operands=_WALK_OPERANDS)
+        return _ffi_rule(ctx, *args, params=params, operands=len(_OPERAND_NAMES) if certified else _WALK_OPERANDS)
     if params.impl == "ffi":
         raise ValueError(f"impl='ffi' on cuda: {reason}")
     return _reference_rule(ctx, *args, params=params)

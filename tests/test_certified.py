@@ -17,8 +17,9 @@ import pytest
 from jax import lax
 
 import jax_markov
-from jax_markov import reference
+from jax_markov import native, reference
 from tests import certified_cases
+from tests.test_lowering import _custom_call_operands
 
 LOGITS_RTOL = 1e-6
 
@@ -201,20 +202,28 @@ def test_sharding_walk_refuses_a_certified_head(rng):
         sharding.walk(jnp.zeros((2, 2, 64)), jnp.zeros(2, jnp.int32), chead, mesh=mesh)
 
 
-def test_cuda_lowering_walks_a_certified_head_on_the_reference_and_refuses_ffi(rng):
-    """The CUDA kernel does not walk a certified head: impl="auto" lowers the reference for cuda (no
-    custom call), impl="ffi" says why (on any machine: lowered for cuda here)."""
+def test_cuda_lowering_walks_a_certified_head_up_to_its_batch_limit(rng):
+    """On cuda (lowered for it on any machine) a certified head of 1-2 requests lowers to the custom
+    call with the certificate's two operands where the CUDA module is built; more requests lower the
+    reference with impl="auto", and impl="ffi" says why, naming the limit."""
     _, chead = certified_head(rng, 64, 256)
-    base, anchor = jnp.asarray(rng.normal(0, 1, (2, 3, 64)), jnp.bfloat16), jnp.arange(2, dtype=jnp.int32)
 
-    def lowered(impl):
+    def lowered(impl, batch):
+        base = jnp.asarray(rng.normal(0, 1, (batch, 3, 64)), jnp.bfloat16)
+        anchor = jnp.arange(batch, dtype=jnp.int32)
         f = jax.jit(lambda x, a, h: jax_markov.walk(x, a, h, impl=impl).tokens)
         return f.trace(base, anchor, chead).lower(lowering_platforms=("cuda",)).as_text()
 
-    text = lowered("auto")
+    text = lowered("auto", 3)
     assert "custom_call @jax_markov_walk" not in text and "stablehlo.while" in text
-    with pytest.raises(ValueError, match=r"impl='ffi' on cuda: the CUDA kernel does not walk a CertifiedMarkovHead"):
-        lowered("ffi")
+    with pytest.raises(ValueError, match=r"impl='ffi' on cuda: .*(CertifiedMarkovHead for B <= 2 requests.*got B = 3|"
+                                         r"CUDA module is not built)"):
+        lowered("ffi", 3)
+    if native.cuda_available():
+        assert _custom_call_operands(lowered("auto", 2)) == 11  # the walk's nine, w2_exact, residual_norm
+        assert _custom_call_operands(lowered("ffi", 1)) == 11
+    else:
+        assert "custom_call @jax_markov_walk" not in lowered("auto", 2)
 
 
 def test_flax_head_int8_certified():

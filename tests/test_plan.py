@@ -4,7 +4,7 @@ The plan decides, for every launch of a walk, which kernel instance runs it and 
 memory; the CUDA handler executes exactly these plans. These tests walk the plan over a grid of
 shapes and check that every plan names a kernel the build instantiates, fits the GPU, and covers the
 batch; that every instantiated kernel is some call's plan (none is dead); and the batch ranges each
-kernel takes.
+kernel takes, a CertifiedMarkovHead's among them.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ FLOATS = ("bfloat16", "float16", "float32")
 LOGITS = (None, "bfloat16", "float32", "float16")
 
 
-def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props):
+def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props, certified=False):
     return native.cuda_launch_plan(batch, steps, vocab, native.cuda_envelope()["rank"], jnp.dtype(w1), jnp.dtype(w2),
                                    base_dtype=jnp.dtype(base), logits_dtype=None if logits is None else jnp.dtype(logits),
-                                   sampling=sampling, props=props)
+                                   sampling=sampling, props=props, certified=certified)
 
 
 def _walking(plans, rows_sample: bool):
@@ -49,10 +49,10 @@ def _grid(seed=0, count=4000):
     return [everything[i] for i in rng.choice(len(everything), count, replace=False)]
 
 
-def _supported(case):
+def _supported(case, certified=False):
     batch, steps, vocab, w2, w1, base, logits, sampling, props = case
     return native._markov_plan.unsupported(batch, steps, vocab, native.cuda_envelope()["rank"], w2, w1, base, logits,
-                                           sampling, props) is None
+                                           sampling, props, certified) is None
 
 
 def test_every_plan_is_an_instantiated_kernel_that_fits():
@@ -89,9 +89,39 @@ def test_every_instantiated_kernel_is_some_plan():
     """No instance is dead: each is the plan of some call in a wider grid."""
     planned = set()
     for case in itertools.product(BATCHES, (7,), VOCABS, W2, FLOATS, FLOATS, LOGITS, (False, True), (H100,)):
-        if _supported(case):
-            planned.update(p["name"] for p in _plans(*case))
+        for certified in (False, True):
+            if _supported(case, certified):
+                planned.update(p["name"] for p in _plans(*case, certified=certified))
     assert planned == set(native._markov_plan.instantiated_kernels())
+
+
+@pytest.mark.parametrize("batch, sampling, logits, base, kernel", [
+    (1, False, None, "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=plain>"),
+    (2, False, None, "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=plain>"),
+    (1, False, "bfloat16", "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
+    (2, True, "float32", "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
+    (1, False, None, "float32", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
+])
+def test_certified_head_takes_the_certified_digit_kernel(batch, sampling, logits, base, kernel):
+    """A CertifiedMarkovHead's 1-2 requests walk on the digit kernel's certified instances (tokens only
+    from bf16 base logits: the plain form; anything else: the any form), also the greedy half of a
+    guarded pair; more requests are refused, naming the limit."""
+    for w1 in FLOATS:
+        plans = _plans(batch, 7, 151936, "int8", w1, base, logits, sampling, H100, certified=True)
+        assert all(",certified," in p["name"] and p["batch"] == batch for p in plans), plans
+        (plan,) = _walking(plans, True)
+        assert plan["name"] == kernel
+        assert plan["resident_tiles"] > 0
+    for batch in (3, 16, 64):
+        why = native._markov_plan.unsupported(batch, 7, 151936, native.cuda_envelope()["rank"], "int8", "bfloat16",
+                                              "bfloat16", None, False, H100, True)
+        assert f"CertifiedMarkovHead for B <= 2 requests" in why and f"got B = {batch}" in why
+        with pytest.raises(ValueError, match="B <= 2"):
+            _plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100, certified=True)
+    # the certified walk keeps a few bytes of state beside the plain walk's: at most one tile fewer
+    plain = _plans(1, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100)[0]
+    certified = _plans(1, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100, certified=True)[0]
+    assert 0 <= plain["resident_tiles"] - certified["resident_tiles"] <= 1
 
 
 @pytest.mark.parametrize("batch, sampling, logits, kernel", [

@@ -27,21 +27,36 @@ struct WalkSmem {
 
   // Byte offsets of the variable parts (each present where its size is not 0).
   struct Parts {
-    int scales, staged, noise, noise_tiles, out_stage, resident;
+    int scales, staged, noise, noise_tiles, out_stage, cert, resident;
   };
   // stage_rows: the CTA's rows; staged_bytes: its staged base logits (STAGED); noise_ahead_bytes: a
-  // step's noise of its rows (the fill); noise_tile_bytes, out_stage_bytes: a warp's.
+  // step's noise of its rows (the fill); noise_tile_bytes, out_stage_bytes: a warp's; cert_bytes: a
+  // certified walk's state (CertSmem), 0 in every other walk.
   MARKOV_HOST_DEVICE static constexpr Parts Layout(int warps, int stage_rows, int staged_bytes, int noise_ahead_bytes,
-                                                   int noise_tile_bytes, int out_stage_bytes) {
+                                                   int noise_tile_bytes, int out_stage_bytes, int cert_bytes = 0) {
     Parts p{};
     p.scales = kFixedBytes;
     p.staged = p.scales + stage_rows * int(sizeof(float));
     p.noise = p.staged + staged_bytes;
     p.noise_tiles = p.noise + noise_ahead_bytes;
     p.out_stage = p.noise_tiles + warps * noise_tile_bytes;
-    p.resident = p.out_stage + warps * out_stage_bytes;
+    p.cert = p.out_stage + warps * out_stage_bytes;
+    p.resident = p.cert + cert_bytes;
     return p;
   }
+};
+
+// A certified walk's state (the digit kernel's CERT instances, up to kCertBatch requests): per request
+// the CTA's exact key of the step, its margin, the W1 row of its e and the step's counts for the
+// stats (columns re-scored, lanes that re-scored all their rows); per warp the largest W2 scale and
+// residual norm of its rows (as bits), which give the CTA's once a launch.
+struct CertSmem {
+  static constexpr int kExact = 0;                                  // unsigned long long [kCertBatch]
+  static constexpr int kMargin = kExact + 8 * kCertBatch;           // float [kCertBatch]
+  static constexpr int kRow = kMargin + 4 * kCertBatch;             // int [kCertBatch]
+  static constexpr int kCounts = kRow + 4 * kCertBatch;             // unsigned int [kCertBatch][2]
+  static constexpr int kMaxima = kCounts + 8 * kCertBatch;          // unsigned int [kMaxWarps][2]
+  static constexpr int kBytes = (kMaxima + 8 * kMaxWarps + 15) / 16 * 16;
 };
 
 // The transposed kernel's wgmma operands in shared memory: canonical K-major layout without swizzle.

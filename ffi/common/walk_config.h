@@ -27,11 +27,19 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
+// The requests a launch of a certified walk (a CertifiedMarkovHead) takes: the digit kernel's.
+constexpr int kCertBatch = 2;
 // The atomic exchange's keys, each on a line of its own (kKeyStride, walk_common.h).
 static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
 MARKOV_HOST_DEVICE constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
+// The counters of a certified walk (WalkArgs::cert_stats, the CUDA module's certified_stats()): greedy
+// (request, step) decisions, those whose bound could not be used, columns re-scored exactly in all
+// and at most by one CTA for one decision, (decision, CTA) pairs that re-scored a column, and lanes
+// that re-scored all their rows (three or more candidates, or no usable bound).
+enum CertStat : int { kCertDecisions, kCertUncertified, kCertRescored, kCertMaxCtaRescored, kCertCtaSets, kCertLaneFallbacks,
+                      kCertStats };
 // W2's storage: int8 rows with fp32 scales, or the unquantized fp16 / bf16 rows of a MarkovHead.
 enum W2Format : int { kW2Int8 = 0, kW2F16 = 1, kW2BF16 = 2 };
 // MarkovWalkKernel's instances for launches whose form is known when the kernel is chosen: any launch,

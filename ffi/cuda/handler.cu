@@ -98,6 +98,17 @@ cudaError_t PrepareOnce(const void* kernel, int device, int threads, const Devic
   return it->second;
 }
 
+// The certified walks' counters (walk_config.h's CertStat), one buffer a device, allocated when a
+// test asks for them (EnableCertifiedStats); a launch adds to them only where they exist.
+std::mutex cert_stats_mu;
+std::map<int, unsigned long long*> cert_stats;
+
+unsigned long long* CertifiedStatsBuffer(int device) {
+  std::lock_guard<std::mutex> lock(cert_stats_mu);
+  auto it = cert_stats.find(device);
+  return it == cert_stats.end() ? nullptr : it->second;
+}
+
 #ifdef JAX_MARKOV_TIMELINE
 // Timeline builds: the stamps of the latest launch (ReadTimeline copies them out).
 std::mutex timeline_mu;
@@ -139,7 +150,7 @@ int W2Code(ffi::DataType t) {
 ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
                               ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
                               ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
-                              ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
+                              ffi::RemainingArgs certificate, ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
                               ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size, float logit_scale, bool sampling) {
   const auto bd = base.dimensions();
   const auto w1d = w1.dimensions();
@@ -170,6 +181,31 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
     return Invalid("anchor, temperature, key and position must have B requests");
   }
   if (d2t.element_count() != 0 && d2t.element_count() != vocab) return Invalid("d2t must be [V] or empty");
+  // A CertifiedMarkovHead adds two operands: the unquantized W2 and its rows' residual norms.
+  if (certificate.size() != 0 && certificate.size() != 2) {
+    return Invalid("expected 9 operands, or 11 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
+                   std::to_string(9 + certificate.size()));
+  }
+  call.certified = certificate.size() == 2;
+  const void* w2_exact_data = nullptr;
+  const float* residual_norm_data = nullptr;
+  int w2_exact_dtype = kNone;
+  if (call.certified) {
+    const auto w2_exact = certificate.get<ffi::AnyBuffer>(0);
+    const auto residual_norm = certificate.get<ffi::AnyBuffer>(1);
+    if (!w2_exact.has_value() || !residual_norm.has_value()) return Invalid("w2_exact and residual_norm must be buffers");
+    const auto ed = w2_exact->dimensions();
+    w2_exact_dtype = DTypeCode(w2_exact->element_type());
+    if (!int8 || w2_exact_dtype == kNone || ed.size() != 2 || ed[0] != vocab || ed[1] != w2d[1]) {
+      return Invalid("w2_exact must be the unquantized W2, bf16/f16/f32 [V, r], beside an s8 w2");
+    }
+    if (residual_norm->element_type() != ffi::DataType::F32 || residual_norm->element_count() != vocab ||
+        residual_norm->dimensions().size() != 1) {
+      return Invalid("residual_norm must be f32 [V]");
+    }
+    w2_exact_data = w2_exact->untyped_data();
+    residual_norm_data = static_cast<const float*>(residual_norm->untyped_data());
+  }
   if (vocab_size < 1 || vocab_size > vocab) return Invalid("vocab_size must be in [1, V]");
   if (tokens->element_count() != batch * steps) return Invalid("tokens must be [B, K]");
   if (want_logits && logits->element_count() != batch * steps * vocab) return Invalid("logits must be [B, K, V] or empty");
@@ -205,6 +241,10 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
   // Logits not asked for are never rounded: the walk chooses from the fp32 l_k.
   args.logits_dtype = want_logits ? call.logits_dtype : kF32;
   args.logit_scale = logit_scale;
+  args.w2_exact = w2_exact_data;
+  args.w2_exact_dtype = w2_exact_dtype;
+  args.residual_norm = residual_norm_data;
+  args.cert_stats = call.certified ? CertifiedStatsBuffer(device) : nullptr;
 #ifdef JAX_MARKOV_TIMELINE
   err = TimelineBuffer(props.sm_count, &args.timeline);
   if (err != cudaSuccess) return CudaError("timeline", err);
@@ -258,6 +298,35 @@ cudaError_t ReadTimeline(std::vector<unsigned long long>* out, int* ctas) {
 }
 #endif
 
+cudaError_t EnableCertifiedStats(int device) {
+  std::lock_guard<std::mutex> lock(walk::cert_stats_mu);
+  if (walk::cert_stats.count(device) != 0) return cudaSuccess;
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  void* mem = nullptr;
+  if (err == cudaSuccess) err = cudaMalloc(&mem, walk::kCertStats * sizeof(unsigned long long));
+  if (err == cudaSuccess) err = cudaMemset(mem, 0, walk::kCertStats * sizeof(unsigned long long));
+  const cudaError_t restored = cudaSetDevice(current);
+  if (err != cudaSuccess) return err;
+  walk::cert_stats[device] = static_cast<unsigned long long*>(mem);
+  return restored;
+}
+
+cudaError_t CertifiedStats(int device, bool reset, std::vector<unsigned long long>* out) {
+  out->assign(walk::kCertStats, 0);
+  unsigned long long* buffer = walk::CertifiedStatsBuffer(device);
+  if (buffer == nullptr) return cudaSuccess;
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) err = cudaMemcpy(out->data(), buffer, out->size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess && reset) err = cudaMemset(buffer, 0, out->size() * sizeof(unsigned long long));
+  const cudaError_t restored = cudaSetDevice(current);
+  return err != cudaSuccess ? err : restored;
+}
+
 cudaError_t QueryDeviceProperties(int device, walk::DeviceProperties* out) {
   static std::mutex mu;
   static std::map<int, walk::DeviceProperties> cache;
@@ -296,6 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MarkovWalkCuda, jax_markov::walk::MarkovWalkCudaIm
                                   .Arg<ffi::Buffer<ffi::U32>>()    // key
                                   .Arg<ffi::Buffer<ffi::S32>>()    // position
                                   .Arg<ffi::Buffer<ffi::S32>>()    // d2t
+                                  .RemainingArgs()                 // w2_exact, residual_norm: a CertifiedMarkovHead's
                                   .Ret<ffi::Buffer<ffi::S32>>()    // tokens
                                   .Ret<ffi::AnyBuffer>()           // logits
                                   .Ret<ffi::AnyBuffer>()           // embeds

@@ -8,6 +8,7 @@ namespace jax_markov {
 namespace walk {
 
 const void* Int8WalkKernel(const KernelKey& key);
+const void* CertifiedWalkKernel(const KernelKey& key);
 const void* F16WalkKernel(const KernelKey& key);
 const void* BF16WalkKernel(const KernelKey& key);
 const void* TransposedKernel(const KernelKey& key);
@@ -21,14 +22,16 @@ const void* TransposedKernel(const KernelKey& key);
   }
 
 // LIST's entry for MarkovWalkKernel (kernel_list.h's X arguments).
-#define JAX_MARKOV_WALK_INSTANCE(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS)                                   \
-  if (key == WalkKernelKey(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS)) {                                     \
-    return reinterpret_cast<const void*>(&MarkovWalkKernel<WalkTraits<NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS>>); \
+#define JAX_MARKOV_WALK_INSTANCE(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS, CERT)                    \
+  if (key == WalkKernelKey(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS, CERT)) {                      \
+    return reinterpret_cast<const void*>(                                                                            \
+        &MarkovWalkKernel<WalkTraits<NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS, CERT>>);            \
   }
 
 // The kernel a plan names, or null where the build does not instantiate it.
 inline const void* KernelFunction(const KernelKey& key) {
   if (key.family == kTransposedFamily) return TransposedKernel(key);
+  if (key.cert) return CertifiedWalkKernel(key);
   return key.w2 == kW2Int8 ? Int8WalkKernel(key) : key.w2 == kW2F16 ? F16WalkKernel(key) : BF16WalkKernel(key);
 }
 

@@ -27,6 +27,32 @@ NB_MODULE(_markov_cuda, m) {
         return d;
       },
       nb::arg("ordinal"), "Properties of CUDA device `ordinal` that the launch plan takes.");
+  m.def(
+      "enable_certified_stats",
+      [](int ordinal) {
+        const cudaError_t err = jax_markov::EnableCertifiedStats(ordinal);
+        if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
+      },
+      nb::arg("ordinal") = 0,
+      "Keep the certified walks' counters on CUDA device `ordinal` from now on (for tests: certified_stats()).");
+  m.def(
+      "certified_stats",
+      [](int ordinal, bool reset) {
+        std::vector<unsigned long long> words;
+        const cudaError_t err = jax_markov::CertifiedStats(ordinal, reset, &words);
+        if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
+        static const char* names[] = {"decisions", "uncertified", "rescored", "max_cta_rescored", "cta_sets", "lane_fallbacks"};
+        static_assert(sizeof(names) / sizeof(names[0]) == jax_markov::walk::kCertStats, "a name per counter");
+        nb::dict d;
+        for (int i = 0; i < jax_markov::walk::kCertStats; ++i) d[names[i]] = words[i];
+        return d;
+      },
+      nb::arg("ordinal") = 0, nb::arg("reset") = false,
+      "What the certified walks (CertifiedMarkovHead) on CUDA device `ordinal` re-scored since enable_certified_stats "
+      "(or the last reset): greedy (request, step) decisions; those whose bound could not be used (non-finite e, a "
+      "bias that could overflow, or unusable scales or residual norms: every row re-scored); columns re-scored "
+      "exactly in all and at most by one CTA for one decision; (decision, CTA) pairs that re-scored a column; lanes "
+      "that re-scored all their rows (three candidates or more, or no usable bound). Waits for the device.");
 #ifdef JAX_MARKOV_TIMELINE
   m.def(
       "read_timeline",

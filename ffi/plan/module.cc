@@ -44,7 +44,7 @@ DeviceProperties Properties(const nb::dict& d) {
 }
 
 WalkCall Call(int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-              const std::string& base, const std::optional<std::string>& logits, bool sampling) {
+              const std::string& base, const std::optional<std::string>& logits, bool sampling, bool certified) {
   WalkCall c;
   c.batch = batch;
   c.steps = steps;
@@ -55,6 +55,7 @@ WalkCall Call(int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const s
   c.base_dtype = DType(base);
   c.logits_dtype = logits ? DType(*logits) : jax_markov::walk::kNone;
   c.sampling = sampling;
+  c.certified = certified;
   return c;
 }
 
@@ -88,30 +89,32 @@ NB_MODULE(_markov_plan, m) {
   m.def(
       "unsupported",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props) {
-        const std::string why = jax_markov::walk::Unsupported(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling), Properties(props));
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
+        const std::string why = jax_markov::walk::Unsupported(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified), Properties(props));
         if (why.empty()) return std::optional<std::string>();
         return std::optional<std::string>(W2Format(w2) < 0 ? why + ", got " + w2 : why);
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
+      nb::arg("certified") = false,
       "Why the CUDA kernel cannot walk this call on a GPU with these properties, or None.");
   m.def(
       "slower_than_reference",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props) {
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
         const std::string why =
-            jax_markov::walk::SlowerThanReference(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling), Properties(props));
+            jax_markov::walk::SlowerThanReference(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified), Properties(props));
         return why.empty() ? std::optional<std::string>() : std::optional<std::string>(why);
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
+      nb::arg("certified") = false,
       "Why impl='auto' takes the reference although the kernel can walk this call (int8 W2 past L2), or None.");
   m.def(
       "plan",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props) {
-        const WalkCall call = Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling);
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
+        const WalkCall call = Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified);
         const DeviceProperties p = Properties(props);
         const std::string why = jax_markov::walk::Unsupported(call, p);
         if (!why.empty()) throw std::invalid_argument(why);
@@ -137,6 +140,7 @@ NB_MODULE(_markov_plan, m) {
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
+      nb::arg("certified") = false,
       "The launches of a call the kernel walks (ValueError naming the limit otherwise): kernel, threads, shared memory, tiles.");
   m.def(
       "instantiated_kernels",

@@ -14,11 +14,12 @@ namespace walk {
 
 bool KernelKey::operator==(const KernelKey& o) const {
   return family == o.family && nt == o.nt && split == o.split && digits == o.digits && w2 == o.w2 && threads == o.threads &&
-         staged == o.staged && form == o.form && pairs == o.pairs && eregs == o.eregs && base == o.base &&
+         staged == o.staged && form == o.form && pairs == o.pairs && eregs == o.eregs && cert == o.cert && base == o.base &&
          packed == o.packed && walk == o.walk;
 }
 
-KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bool staged, int form, bool pairs, bool eregs) {
+KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bool staged, int form, bool pairs, bool eregs,
+                        bool cert) {
   KernelKey k;
   k.family = kWalkFamily;
   k.nt = nt;
@@ -30,6 +31,7 @@ KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bo
   k.form = form;
   k.pairs = pairs;
   k.eregs = eregs;
+  k.cert = cert;
   return k;
 }
 
@@ -57,9 +59,11 @@ bool NoiseFitsAhead(int batch, int rows_per_cta) { return size_t(batch) * rows_p
 
 // MarkovWalkKernel's shared memory that is not resident tiles, for these variants.
 int WalkFixedBytes(int nt, bool pairs, int warps, int rows_per_cta, int staged_bytes, int noise_ahead_bytes, int noise_tile_bytes,
-                 int out_stage_bytes) {
+                 int out_stage_bytes, int cert_bytes) {
   const auto f = [&](auto layout) {
-    return decltype(layout)::Layout(warps, rows_per_cta, staged_bytes, noise_ahead_bytes, noise_tile_bytes, out_stage_bytes).resident;
+    return decltype(layout)::Layout(warps, rows_per_cta, staged_bytes, noise_ahead_bytes, noise_tile_bytes, out_stage_bytes,
+                                    cert_bytes)
+        .resident;
   };
   if (pairs) return nt == 1 ? f(WalkSmem<1, true>()) : f(WalkSmem<2, true>());
   switch (nt) {
@@ -81,9 +85,9 @@ int OutStageBytes(int nt, bool f32) {
   }
 }
 
-// A MarkovWalkKernel launch of `batch` requests in the variant <nt, split, digits, pairs, eregs>.
+// A MarkovWalkKernel launch of `batch` requests in the variant <nt, split, digits, pairs, eregs, cert>.
 LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DeviceProperties& props, int nt, bool split, bool digits,
-                          bool pairs = false, bool eregs = false) {
+                          bool pairs = false, bool eregs = false, bool cert = false) {
   LaunchPlan p;
   p.batch = batch;
   // 16 warps for int8 W2 up to 16 columns (at most 128 registers: some kernels spill a few dozen
@@ -106,7 +110,9 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   p.noise_ahead = call.sampling && NoiseFitsAhead(batch, rows_per_cta);
   const bool logits = call.logits_dtype != kNone;
   int form = eregs ? kPlainForm : kAnyForm;
-  if (digits) {  // the digit kernel's instances for the known launch forms
+  if (cert) {  // the certified instances: tokens only, or any other launch
+    form = call.base_dtype == kBF16 && !logits && !call.sampling ? kPlainForm : kAnyForm;
+  } else if (digits) {  // the digit kernel's instances for the known launch forms
     const bool logits_form = call.base_dtype == kBF16 && logits && (!call.sampling || p.noise_ahead);
     if (logits_form && call.logits_dtype == kBF16) {
       form = kBF16LogitsForm;
@@ -124,11 +130,11 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   const int fixed = WalkFixedBytes(nt, pairs, warps, rows_per_cta, stage ? stage_bytes : 0,
                                  p.noise_ahead ? batch * rows_per_cta * int(sizeof(float)) : 0,
                                  p.noise_tiles ? NoiseTileBytes(batch) : 0,
-                                 p.logits_staged ? OutStageBytes(nt, f32_out) : 0);
+                                 p.logits_staged ? OutStageBytes(nt, f32_out) : 0, cert ? CertSmem::kBytes : 0);
   p.resident_tiles = std::min(p.tiles_per_cta, (props.smem_per_block - fixed) / tile_bytes);
   p.smem_bytes = fixed + std::max(p.resident_tiles, 0) * tile_bytes;
   p.threads = threads;
-  p.kernel = WalkKernelKey(nt, split, digits, call.w2, threads, stage, form, pairs, eregs);
+  p.kernel = WalkKernelKey(nt, split, digits, call.w2, threads, stage, form, pairs, eregs, cert);
   return p;
 }
 
@@ -190,6 +196,8 @@ LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& p
   const bool split = ColumnsPerRequest(call.w2, call.w1_dtype) == 2;
   const int columns = split ? 2 * batch : batch;
   const bool logits = call.logits_dtype != kNone;
+  // A CertifiedMarkovHead's 1-2 requests (Unsupported refuses more): the digit kernel's certified walk.
+  if (call.certified) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
   if (call.w2 == kW2Int8) {
     if (batch <= 2) return PlanWalkKernel(call, batch, props, 1, false, true);
     LaunchPlan transposed;
@@ -232,6 +240,11 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
     return "the CUDA kernel walks 1 to K = " + std::to_string(kMaxSteps) + " steps, got " + std::to_string(call.steps);
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
+  if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
+  if (call.certified && call.batch > kCertifiedMaxBatch) {
+    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertifiedMaxBatch) +
+           " requests (the digit kernel's certified walk), got B = " + std::to_string(call.batch);
+  }
   const int64_t per_launch = std::min<int64_t>(call.batch, LaunchRequests(call.w2, call.w1_dtype));
   if (per_launch * call.steps * call.vocab >= (int64_t(1) << 32)) {
     return "the CUDA kernel addresses one launch's base logits in 32 bits: " + std::to_string(per_launch) + " requests x K = " +
@@ -287,10 +300,11 @@ std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& p
 
 std::vector<KernelKey> InstantiatedKernels() {
   std::vector<KernelKey> keys;
-#define JAX_MARKOV_WALK_KEY(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS) \
-  keys.push_back(WalkKernelKey(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS));
+#define JAX_MARKOV_WALK_KEY(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS, CERT) \
+  keys.push_back(WalkKernelKey(NT, SPLIT, DIGITS, W2, THREADS, STAGED, FORM, PAIRS, EREGS, CERT));
 #define JAX_MARKOV_TRANSPOSED_KEY(BASE, PACKED, WALK) keys.push_back(TransposedKernelKey(BASE, PACKED, WALK));
   JAX_MARKOV_INT8_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
+  JAX_MARKOV_CERTIFIED_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
   JAX_MARKOV_F16_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
   JAX_MARKOV_BF16_WALK_KERNELS(JAX_MARKOV_WALK_KEY)
   JAX_MARKOV_TRANSPOSED_KERNELS(JAX_MARKOV_TRANSPOSED_KEY)
@@ -307,7 +321,7 @@ std::string KernelName(const KernelKey& k) {
   }
   static const char* forms[] = {"any", "bf16_logits", "plain", "f32_logits"};
   return "walk<nt=" + std::to_string(k.nt) + (k.split ? ",split" : "") + (k.digits ? ",digits" : "") + (k.pairs ? ",pairs" : "") +
-         (k.eregs ? ",eregs" : "") + ",w2=" + w2 + ",threads=" + std::to_string(k.threads) + (k.staged ? ",staged" : "") +
+         (k.eregs ? ",eregs" : "") + (k.cert ? ",certified" : "") + ",w2=" + w2 + ",threads=" + std::to_string(k.threads) + (k.staged ? ",staged" : "") +
          ",form=" + forms[k.form] + ">";
 }
 

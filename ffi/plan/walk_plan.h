@@ -33,6 +33,7 @@ struct WalkCall {
   bool sampling = false;       // the caller gave temperatures (rows may sample)
   bool base_aligned = true;    // base logits 16-byte aligned (XLA's buffers are)
   bool logits_aligned = true;  // logits out 16-byte aligned
+  bool certified = false;      // a CertifiedMarkovHead: greedy rows re-score their candidates exactly
 };
 
 enum KernelFamily : int { kWalkFamily = 0, kTransposedFamily = 1 };
@@ -41,7 +42,7 @@ enum KernelFamily : int { kWalkFamily = 0, kTransposedFamily = 1 };
 // MarkovWalkTransposedKernel's (kTransposedFamily); the other family's fields are 0.
 struct KernelKey {
   int family = kWalkFamily;
-  int nt = 0, split = 0, digits = 0, w2 = 0, threads = 0, staged = 0, form = 0, pairs = 0, eregs = 0;
+  int nt = 0, split = 0, digits = 0, w2 = 0, threads = 0, staged = 0, form = 0, pairs = 0, eregs = 0, cert = 0;
   int base = 0, packed = 0, walk = 0;
   bool operator==(const KernelKey& o) const;
 };
@@ -66,6 +67,9 @@ int ColumnsPerRequest(int w2, int w1_dtype);
 // Requests per launch.
 int LaunchRequests(int w2, int w1_dtype);
 
+// The most requests a certified call (a CertifiedMarkovHead) the kernel walks: the digit kernel's.
+constexpr int kCertifiedMaxBatch = kCertBatch;
+
 // Why the kernel cannot walk `call` on this GPU, naming the limit, or "" if it can.
 std::string Unsupported(const WalkCall& call, const DeviceProperties& props);
 
@@ -78,7 +82,8 @@ std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& pr
 std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props);
 
 // The keys of MarkovWalkKernel<WalkTraits<...>> and MarkovWalkTransposedKernel<...> instances.
-KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bool staged, int form, bool pairs, bool eregs);
+KernelKey WalkKernelKey(int nt, bool split, bool digits, int w2, int threads, bool staged, int form, bool pairs, bool eregs,
+                        bool cert = false);
 KernelKey TransposedKernelKey(int base, bool packed, int walk);
 
 // Every kernel the build instantiates (kernel_list.h).

@@ -38,6 +38,13 @@ struct WalkArgs {
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead, noise_tiles, logits_staged;
   int run_when;  // RunWhen: whether the launch returns at once, by whether any of its rows samples
+  // A CertifiedMarkovHead's certificate (the CERT instances; null otherwise): the unquantized W2 [V, 256]
+  // of dtype w2_exact_dtype and its rows' residual norms [V]; cert_stats: the counters of
+  // certified_stats() (kCertStats words), or null where they are not kept.
+  const void* w2_exact;
+  int w2_exact_dtype;
+  const float* residual_norm;
+  unsigned long long* cert_stats;
   unsigned long long* timeline;  // timeline builds only: [ctas][kMaxSteps + 1][kPhases] stamps, then
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };

@@ -9,14 +9,27 @@
 namespace jax_markov {
 namespace walk {
 
+// A row's key folded into the best of owned slot i. A certified walk also keeps the slot's
+// second-best key and the third-best ordered score (certified.cuh: a lane with three candidates
+// re-scores all its rows), with no branches.
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::Keep(unsigned long long& best, int i, unsigned long long key) const {
+  if constexpr (CERT) {
+    const unsigned long long low = key > best ? best : key;  // what best does not keep
+    const unsigned long long low2 = low > runner_up[i] ? runner_up[i] : low;
+    runner_up[i] = low > runner_up[i] ? low : runner_up[i];
+    third[i] = max(third[i], uint32_t(low2 >> 32));
+  }
+  best = key > best ? key : best;
+}
+
 // Greedy rows and no logits out: l and its key, with no branches and no masks. Rows past vocab_size
 // (rows past V among them) are -inf, so their keys lose to any row below V; the slots of requests
 // past the batch are never published.
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::FoldPlain(unsigned long long& best, int row, float base, float bias) const {
+__device__ __forceinline__ void WalkCta<T>::FoldPlain(unsigned long long& best, int i, int row, float base, float bias) const {
   const float l = row < a.vocab_size ? base + bias : -INFINITY;
-  const unsigned long long key = PackArgmaxKey(l, uint32_t(row));
-  best = key > best ? key : best;
+  Keep(best, i, PackArgmaxKey(l, uint32_t(row)));
 }
 
 // The plain epilogue for base logits of dtype BASE.
@@ -30,7 +43,7 @@ __device__ __forceinline__ void WalkCta<T>::PlainEpilogue(const TileScores<kSlot
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float bias = ((h ? s.scale_b : s.scale_a) * (h ? s.dot_b[i] : s.dot_a[i])) * unscale_i;
-      FoldPlain(best[i], h ? s.row_b : s.row_a, BaseToFloat<BASE>(h ? s.base_b[i] : s.base_a[i]), bias);
+      FoldPlain(best[i], i, h ? s.row_b : s.row_a, BaseToFloat<BASE>(h ? s.base_b[i] : s.base_a[i]), bias);
     }
   }
 }
@@ -53,7 +66,7 @@ __device__ __forceinline__ void WalkCta<T>::PairOperandEpilogue(int tile, const 
       for (int c = 0; c < 2; ++c) {
         const float dot = DigitPairToFloat(acc[i][h][c], acc[i][h][2 + c]);
         const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(unscale_of, i);
-        FoldPlain(best[i], row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
+        FoldPlain(best[i], i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
       }
     }
   }
@@ -162,8 +175,7 @@ __device__ __forceinline__ void WalkCta<T>::NoiseFreeEpilogue(const TileScores<k
                                             : noise[rq * stage_rows + row - first_row];
         score = SampledScore(l, it, g_noise);
       }
-      const unsigned long long key = PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row));
-      best[i] = key > best[i] ? key : best[i];
+      Keep(best[i], i, PackArgmaxKey(row < a.vocab_size ? score : -INFINITY, uint32_t(row)));
     }
     if constexpr (kStage) {
       if (stage_out && i % 2 == 1) StageLogits(i / 2, stored);
@@ -221,8 +233,7 @@ __device__ __forceinline__ void WalkCta<T>::GeneralEpilogue(const TileScores<kSl
                                                   : GumbelNoise<kWalkLogf>(key0[rq], key1[rq], uint32_t(row), pos[rq] + uint32_t(k));
           score = SampledScore(l, inv_t[rq], noise_of);
         }
-        const unsigned long long packed = PackArgmaxKey(score, uint32_t(row));
-        best[i] = packed > best[i] ? packed : best[i];
+        Keep(best[i], i, PackArgmaxKey(score, uint32_t(row)));
       }
     }
   }

@@ -45,6 +45,7 @@ template <class T>
 struct WalkCta {
   static constexpr int NT = T::NT, W2 = T::W2, THREADS = T::THREADS, FORM = T::FORM;
   static constexpr bool SPLIT = T::SPLIT, DIGITS = T::DIGITS, STAGED = T::STAGED, PAIRS = T::PAIRS, EREGS = T::EREGS;
+  static constexpr bool CERT = T::CERT;
   static constexpr int kWarps = T::kWarps, kChunks = T::kChunks, kSlots = T::kSlots;
   // Each owned request's power-of-two unscale times logit_scale, held for the step (or read from
   // shared memory as it goes: T::kUnscaleFromSmem).
@@ -66,6 +67,11 @@ struct WalkCta {
   unsigned char* staged;
   float *noise, *noise_tile;
   unsigned char *out_buffer, *resident;
+  // A certified walk's state (CertSmem; certified.cuh).
+  unsigned long long* cert_exact;
+  float* cert_margin;
+  int* cert_row;
+  unsigned int *cert_counts, *cert_maxima;
   uint32_t out_column;     // this lane's stmatrix column address in out_buffer
   uint32_t resident_lane;  // this lane's 16 bytes of resident tile 0, as a shared address
   int stage_rows;       // the CTA's rows (tiles_per_cta x 16)
@@ -82,6 +88,10 @@ struct WalkCta {
   bool any_sampled, plain, noise_free;
   // The streamed tile in flight into registers: the next one this warp scores.
   uint4 pre[kChunks];
+  // A certified walk: each owned slot's second-best key of the step and the third-best ordered score
+  // (Keep), beside its best.
+  mutable unsigned long long runner_up[CERT ? kSlots : 1];
+  mutable uint32_t third[CERT ? kSlots : 1];
 
   __device__ __forceinline__ WalkCta(const WalkArgs& args, unsigned char* smem);
   __device__ __forceinline__ int RowOf(int local_tile) const { return (first_tile + local_tile) * kTileRows; }
@@ -92,7 +102,7 @@ struct WalkCta {
   __device__ __forceinline__ void Choose(int k);
   __device__ __forceinline__ void FillNoiseOfStep(int k);
   __device__ __forceinline__ void Score(int k, unsigned long long (&best)[kSlots]);  // score.cuh
-  __device__ __forceinline__ void Reduce(unsigned long long (&best)[kSlots]);
+  __device__ __forceinline__ void Reduce(int k, unsigned long long (&best)[kSlots]);
   __device__ __forceinline__ void Finish();
 
   // Tile residency and operands (score.cuh).
@@ -100,8 +110,18 @@ struct WalkCta {
   __device__ __forceinline__ void LandResident(int i);
   __device__ __forceinline__ float UnscaleOf(const float (&unscale_of)[kUnscaleSlots], int i) const;
 
+  // A certified walk (certified.cuh): the CTA's largest scale and residual norm, a request's margin
+  // with its e, each warp's candidates re-scored exactly, the CTA's exact keys taken for publishing.
+  __device__ __forceinline__ void StartCertificate();
+  __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2], int row);
+  __device__ __forceinline__ void Certify(int k, int i, unsigned long long own, unsigned long long cur);
+  __device__ __forceinline__ unsigned long long RescoreColumns(int r, int k, const float (&e)[8],
+                                                               const int (&cols)[T::kRescoreBatch]) const;
+  __device__ __forceinline__ void AdoptExactKeys();
+
   // The epilogues (epilogue.cuh): a tile's l, score and key for each owned request.
-  __device__ __forceinline__ void FoldPlain(unsigned long long& best, int row, float base, float bias) const;
+  __device__ __forceinline__ void Keep(unsigned long long& best, int i, unsigned long long key) const;
+  __device__ __forceinline__ void FoldPlain(unsigned long long& best, int i, int row, float base, float bias) const;
   template <int BASE>
   __device__ __forceinline__ void PlainEpilogue(const TileScores<kSlots>& s, const float (&unscale_of)[kUnscaleSlots],
                                                 unsigned long long (&best)[kSlots]) const;
@@ -137,7 +157,8 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   const typename Smem::Parts parts =
       Smem::Layout(kWarps, stage_rows, STAGED ? a.batch * stage_rows * ElementBytes(a.base_dtype) : 0,
                    a.noise_ahead ? a.batch * stage_rows * int(sizeof(float)) : 0,
-                   noise_tiles ? Smem::NoiseTileFloats(a.batch) * int(sizeof(float)) : 0, staged_out ? out_stage_bytes : 0);
+                   noise_tiles ? Smem::NoiseTileFloats(a.batch) * int(sizeof(float)) : 0, staged_out ? out_stage_bytes : 0,
+                   CERT ? CertSmem::kBytes : 0);
   frag = reinterpret_cast<uint32_t*>(smem);
   digits = reinterpret_cast<int8_t*>(smem);
   cta_best = reinterpret_cast<unsigned long long*>(smem + Smem::kFragBytes);
@@ -158,6 +179,13 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   // was recomputed from the shared window's base (S2UR SR_CgaCtaId and 9 more instructions) every tile.
   resident_lane = SharedAddress(resident) + lane * 16;
   asm volatile("" : "+r"(resident_lane));
+  if constexpr (CERT) {
+    cert_exact = reinterpret_cast<unsigned long long*>(smem + parts.cert + CertSmem::kExact);
+    cert_margin = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kMargin);
+    cert_row = reinterpret_cast<int*>(smem + parts.cert + CertSmem::kRow);
+    cert_counts = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kCounts);
+    cert_maxima = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kMaxima);
+  }
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
   out_column = SharedAddress(out_buffer) + ((lane >> 3) & 1) * 128 + (lane & 7) * 16 + (lane >= 16 ? Smem::kOutStageBytes : 0);
@@ -205,6 +233,7 @@ __device__ __forceinline__ void WalkCta<T>::Start() {
   for (int i = tid; i < stage_rows; i += THREADS) {
     scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
   }
+  if constexpr (CERT) StartCertificate();
   // Greedy rows with no logits out take a scoring epilogue without branches; scoring draws no noise
   // where the fill or the noise tiles make it (or no row samples).
   any_sampled = __syncthreads_or(tid < batch && a.sampling && a.temperature[tid] > 0.0f);
@@ -280,6 +309,7 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
       if (b >= batch) break;
       if constexpr (DIGITS) {
         BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
+        if constexpr (CERT) CertifyE(b, w1_raw[u], row[u]);
       } else if constexpr (EREGS) {
         BuildDigitPairOperands(a, b, k, lane, w1_raw[u], frag, unscale);
       } else if constexpr (PAIRS) {
@@ -292,11 +322,14 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
 }
 
 // The best key of each owned request over the 8 lanes that share t (EREGS: the 4 that share g), then
-// across the CTA's warps in shared memory.
+// across the CTA's warps in shared memory. A certified walk's warp then re-scores its candidates
+// against the CTA's best key so far (Certify) and the CTA publishes the exact keys of greedy rows.
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::Reduce(unsigned long long (&best)[kSlots]) {
+__device__ __forceinline__ void WalkCta<T>::Reduce(int k, unsigned long long (&best)[kSlots]) {
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
+    unsigned long long own = 0;  // a certified walk: this lane's own best, before the reduction
+    if constexpr (CERT) own = best[i];
 #pragma unroll
     for (int m = EREGS ? 1 : 4; m < (EREGS ? 4 : 32); m <<= 1) {
       const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
@@ -307,9 +340,18 @@ __device__ __forceinline__ void WalkCta<T>::Reduce(unsigned long long (&best)[kS
       best[i] = other > best[i] ? other : best[i];
     }
     const int rq = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
-    if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+    if constexpr (CERT) {
+      // The CTA's best key so far of this lane's request, from lane t (g = 0) of the warp.
+      unsigned long long before = 0;
+      if (g == 0 && rq < batch && best[i] != 0) before = atomicMax(&cta_best[rq], best[i]);
+      const unsigned long long cur = __shfl_sync(0xffffffffu, before > best[i] ? before : best[i], t);
+      Certify(k, i, own, cur);
+    } else {
+      if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+    }
   }
   __syncthreads();
+  if constexpr (CERT) AdoptExactKeys();
 }
 
 // The workspace is left zeroed for the next call on this stream, with no grid-wide arrival for the
@@ -353,6 +395,7 @@ __device__ __forceinline__ void WalkCta<T>::Finish() {
 }  // namespace walk
 }  // namespace jax_markov
 
+#include "cuda/walk/certified.cuh"
 #include "cuda/walk/epilogue.cuh"
 #include "cuda/walk/score.cuh"
 
@@ -381,7 +424,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) MarkovWalkKernel(const WalkArgs
     unsigned long long best[WalkCta<T>::kSlots];
     cta.Score(k, best);
     StampWarp(a, k, cta.warp);
-    cta.Reduce(best);
+    cta.Reduce(k, best);
     Stamp(a, k, 4);
     // The wait comes at the top of the next step, after its prefetches are issued.
     PublishKeys(a, k, cta.direct, a.batch, a.steps, cta.cta_best, cta.tid);

@@ -77,22 +77,28 @@ __device__ __forceinline__ float WidenBits(unsigned short h) {
   return BF16 ? __bfloat162float(__ushort_as_bfloat16(h)) : __half2float(__ushort_as_half(h));
 }
 
-// Lane L's 8 elements e[8L .. 8L+7] of request b's W1 row as floats (raw words of W1[prev_b]);
-// writes the embeds row when this CTA owns request b.
-__device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
-                                                 float (&e)[8]) {
-  if (a.w1_dtype == kF32) {
+// 8 consecutive elements of a row of dtype `dtype` as floats, from their raw words (raw[0]: 16 bytes of
+// a 16-bit row; raw[0], raw[1]: 32 bytes of an f32 row). Exact.
+__device__ __forceinline__ void RowFloats(int dtype, const uint4 (&raw)[2], float (&x)[8]) {
+  if (dtype == kF32) {
     const float* f = reinterpret_cast<const float*>(&raw[0]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = f[i];
+    for (int i = 0; i < 8; ++i) x[i] = f[i];
   } else {
     const uint32_t words[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const unsigned short bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
-      e[i] = a.w1_dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+      x[i] = dtype == kBF16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
     }
   }
+}
+
+// Lane L's 8 elements e[8L .. 8L+7] of request b's W1 row as floats (raw words of W1[prev_b]);
+// writes the embeds row when this CTA owns request b.
+__device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k, int lane, const uint4 (&raw)[2],
+                                                 float (&e)[8]) {
+  RowFloats(a.w1_dtype, raw, e);
   if (a.embeds != nullptr && b % gridDim.x == blockIdx.x) {
     uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(a.embeds) + (size_t(b) * a.steps + k) * kRank * (a.w1_dtype == kF32 ? 4 : 2));
     if (a.w1_dtype == kF32) {

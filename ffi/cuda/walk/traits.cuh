@@ -12,11 +12,13 @@ namespace walk {
 // lo parts of e). DIGITS: 1-2 requests as e's three int8 digits (int8 W2). W2: W2Format. THREADS: the
 // CTA's threads. STAGED: each step's base logits staged in shared memory. FORM: LaunchForm. PAIRS: 3-8
 // requests as e's two int8 digits in B. EREGS: 9-16 greedy requests, e's two digits as the A operand
-// held in registers.
-template <int NT_, bool SPLIT_, bool DIGITS_, int W2_, int THREADS_, bool STAGED_, int FORM_, bool PAIRS_, bool EREGS_>
+// held in registers. CERT: a CertifiedMarkovHead's walk (certified.cuh): greedy rows re-score their
+// candidates exactly from the unquantized W2; the digit kernel's plain and any-form instances only.
+template <int NT_, bool SPLIT_, bool DIGITS_, int W2_, int THREADS_, bool STAGED_, int FORM_, bool PAIRS_, bool EREGS_,
+          bool CERT_ = false>
 struct WalkTraits {
   static constexpr int NT = NT_;
-  static constexpr bool SPLIT = SPLIT_, DIGITS = DIGITS_, STAGED = STAGED_, PAIRS = PAIRS_, EREGS = EREGS_;
+  static constexpr bool SPLIT = SPLIT_, DIGITS = DIGITS_, STAGED = STAGED_, PAIRS = PAIRS_, EREGS = EREGS_, CERT = CERT_;
   static constexpr int W2 = W2_, THREADS = THREADS_, FORM = FORM_;
   static_assert(!DIGITS || (NT == 1 && !SPLIT && W2 == kW2Int8), "the int8-digit path walks up to 2 requests in one n-tile");
   static_assert(FORM == kAnyForm || DIGITS || EREGS, "only the digit kernel has instances for the known launch forms");
@@ -27,8 +29,12 @@ struct WalkTraits {
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
+  static_assert(!CERT || (DIGITS && (FORM == kPlainForm || FORM == kAnyForm)),
+                "the certified walk: the digit kernel (1-2 requests), whose lanes own whole rows (no split-row form)");
 
   using Smem = WalkSmem<NT, PAIRS>;
+  // Rows of W2 whose loads a warp has in flight at once when it re-scores a certified walk's candidates.
+  static constexpr int kRescoreBatch = 4;
   static constexpr int kWarps = THREADS / 32;
   static constexpr int kChunks = TileChunks(W2);
   static constexpr int kTileBytes = kTileElements * W2Bytes(W2);

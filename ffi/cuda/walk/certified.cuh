@@ -1,0 +1,315 @@
+// The certified walk of a CertifiedMarkovHead in MarkovWalkKernel's digit kernel (1-2 requests, the
+// CERT instances): int8 W2 scores every column as the plain walk does, and each warp re-scores
+// exactly, from the unquantized W2, the columns of its own that the int8 scores cannot rule out, so
+// that a greedy row chooses what the unquantized head's walk chooses (ffi/cpu/certified.h is the CPU
+// form of the same rule). Sampled rows keep their int8 keys, and the logits out stay the int8 ones.
+// The grid still exchanges one key per request and step: the CTA's exact key for greedy rows.
+//
+// The bound. For column v (scale s, int8 row q, unquantized row w, residual norm rho >= ||w - s q||_2),
+// the step's exact e (the W1 row as floats), its shift 2^sigma (E = rint(e 2^sigma), the digits' integer
+// vector, max |E| in [2^21, 2^22) unless sigma is capped) and L = |logit_scale|, the biases
+//   b8 = the digit kernel's: fl(fl(fl(D) s) U) with D = q.E exact (int32 digit sums), U = 2^-sigma
+//        logit_scale (exact: required normal or 0), fl(D) = DigitsToFloat's two roundings;
+//   br = the re-scoring's: fl(logit_scale fl(w.e)), w.e summed by 8 fused multiply-adds a lane and 5
+//        shuffle adds (each term rounded at most 13 times)
+// differ by at most X:
+//   |w.e - s q.e| <= min(rho ||e||_2, (1/2 + 2^-16) s ||e||_1)   (certified.h: Cauchy-Schwarz or elementwise);
+//   |s q.(E 2^-sigma - e)| <= s 2^-sigma (1/2) sum |q_j| <= s 2^-sigma 2^14   (E's rounding, |q_j| <= 128);
+//   fl(D): u |d0 + 2^8 d1| + u |fl(D)| <= 2^6 + u |D| (1 + u), u = 2^-24: |d0 + 2^8 d1| < 2^30.01;
+//   the roundings of both dots and products, each relative to sum |w_j e_j| or s sum |q_j e_j|, both
+//   at most 127 s ||e||_1 (1 + 2^-22) (|w_j| <= max |w| = 127 s rounded): (gamma_13 + 5u) in all, taken
+//   as 2^-18 L 127 s ||e||_1;
+//   underflows (IEEE gradual, the build does not flush): at most 2^-150 an operation, 2^-140 (L U' + L + 1)
+//   with U' = 2^-sigma in all.
+// So X = L min(rho_max ||e||_2, (1/2 + 2^-16) s_max ||e||_1) + 2^-18 L 127 s_max ||e||_1 +
+// (2^14 + 2^7) L s_max 2^-sigma + 2^-140 (L 2^-sigma + L + 1), with the CTA's largest scale and residual
+// norm (taken once a launch: they do not change across steps), every operation rounded upward (the
+// cuda __f*_ru intrinsics), then inflated by 2^-20: the margin M of the step, per request, in
+// cert_margin. The logits l8 = RN(base + b8) and lr = RN(base + br) then differ by at most
+// M + 2^-22 |l8| (RN is monotone; the last add rounds each by u |l|).
+// This holds where nothing overflows: e finite, 127 s_max ||e||_1 and L times it below 2^124, s_max below
+// 2^86 (|fl(D) s| finite) and U normal or 0 (`safe`); otherwise M = +inf and every row is re-scored.
+//
+// Keys hold y = l8, or l8 rounded to the logits dtype where logits go out (bf16/f16: the walk chooses
+// from R(l)), so l8 lies within KeySlack(y) of y, and l8 = -inf says only l8 <= -MaxFinite: a column's
+// upper bound is up(y) = y' + KeySlack(y') + M with y' = y, or -MaxFinite for -inf.
+//
+// The filter, per warp and greedy request. After its own reduction each warp takes the CTA's best key
+// so far (its atomicMax's answer), of some column a whose lower bound is L_a = y_a - KeySlack(y_a) - M
+// (a finite y_a and M; otherwise every row of the warp is re-scored). The exact choice v* has
+// R(lr(v*)) >= R(lr(a)) >= R(L_a), so lr(v*) >= T' = R(L_a) - (2^-p |R(L_a)| + tiny) (the value just
+// below R(L_a) in the logits dtype, p = 7 bf16, 10 f16; T' = L_a where l is not rounded), and so
+// up(y_v*) >= T'. A warp re-scores every column of its own with up(y) >= T': v* is among the columns
+// its warp re-scores, each re-scored column gets its exact key (lr from the unquantized row, padding
+// -inf, rounded to the logits dtype, PackArgmaxKey), and the grid's maximum over the CTAs' maxima of
+// exact keys is v*'s key, whatever other columns were re-scored. A lane knows its best and second
+// keys and its third-best score (Keep): where its third reaches T' (three candidates), or the bound
+// cannot be used, the warp re-scores all of that lane's rows (2 per tile of the warp).
+#pragma once
+
+#include <cfloat>
+
+#include "cuda/walk/kernel.cuh"
+
+namespace jax_markov {
+namespace walk {
+
+// The float whose OrderedScore is `ordered` (the high word of a key).
+__device__ __forceinline__ float OrderedToFloat(uint32_t ordered) {
+  return __uint_as_float(ordered & 0x80000000u ? ordered ^ 0x80000000u : ~ordered);
+}
+__device__ __forceinline__ float KeyScore(unsigned long long key) { return OrderedToFloat(uint32_t(key >> 32)); }
+
+// The largest finite value of the logits dtype (kF32: logits not rounded).
+__device__ __forceinline__ float MaxFinite(int dtype) {
+  return dtype == kBF16 ? 0x1.fep127f : dtype == kF16 ? 65504.0f : FLT_MAX;
+}
+
+// An upper bound of |l8 - y| + 2^-22 |l8| for an int8 logit l8 whose key holds y (l8 rounded to the
+// logits dtype, or l8 itself for kF32), y finite.
+__device__ __forceinline__ float KeySlack(float y, int dtype) {
+  const float relative = dtype == kBF16 ? 0x1p-7f + 0x1p-21f : dtype == kF16 ? 0x1p-10f + 0x1p-21f : 0x1p-21f;
+  return __fmaf_ru(fabsf(y), relative, dtype == kF16 ? 0x1p-24f : 0x1p-120f);
+}
+
+// up(y): no exact logit of a column whose key holds y is above this.
+__device__ __forceinline__ float CertUpper(float y, float margin, int dtype) {
+  const float y1 = y == -INFINITY ? -MaxFinite(dtype) : y;
+  return __fadd_ru(__fadd_ru(y1, KeySlack(y1, dtype)), margin);
+}
+
+// T': the exact choice's exact logit is at least this, given a column whose key holds y_a (finite).
+__device__ __forceinline__ float CertThreshold(float y_a, float margin, int dtype) {
+  const float lower = __fsub_rd(__fsub_rd(y_a, KeySlack(y_a, dtype)), margin);
+  if (dtype == kF32) return lower;
+  const float r = dtype == kBF16 ? __bfloat162float(__float2bfloat16_rn(lower)) : __half2float(__float2half_rn(lower));
+  const float below = dtype == kBF16 ? __fmaf_ru(fabsf(r), 0x1p-7f, 0x1p-120f) : __fmaf_ru(fabsf(r), 0x1p-10f, 0x1p-24f);
+  return __fsub_rd(r, below);
+}
+
+// The margin M of one request's step (the comment above), from lane L's e[8L .. 8L+7], the unscale
+// 2^-sigma and the CTA's largest scale and residual norm (coefficients_ok: both finite and >= 0);
+// +inf where the bound cannot be used. The whole warp calls it; every lane gets it.
+__device__ __forceinline__ float CertMargin(const float (&e)[8], float unscale, float logit_scale, float s_max, float r_max,
+                                            bool coefficients_ok) {
+  float n1 = 0.0f, n2 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    n1 = __fadd_ru(n1, fabsf(e[i]));
+    n2 = __fmaf_ru(e[i], e[i], n2);
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    n1 = __fadd_ru(n1, __shfl_xor_sync(0xffffffffu, n1, m));
+    n2 = __fadd_ru(n2, __shfl_xor_sync(0xffffffffu, n2, m));
+  }
+  const float ls = fabsf(logit_scale);
+  const float p = __fmul_ru(__fmul_ru(127.0f, s_max), n1);  // NaN or inf where e is not finite
+  const float u = unscale * logit_scale;                    // exact where normal
+  const bool safe = coefficients_ok && p < 0x1p124f && __fmul_ru(ls, p) < 0x1p124f && s_max < 0x1p86f &&
+                    (logit_scale == 0.0f || (fabsf(u) >= 0x1p-126f && fabsf(u) < INFINITY));
+  if (!safe) return INFINITY;
+  const float by_norm2 = __fmul_ru(r_max, __fsqrt_ru(n2));
+  const float by_norm1 = __fmul_ru(0x1.0002p-1f, __fmul_ru(s_max, n1));  // (1/2 + 2^-16) s ||e||_1
+  const float residual = __fmul_ru(ls, by_norm2 < by_norm1 ? by_norm2 : by_norm1);
+  const float roundings = __fmul_ru(0x1p-18f, __fmul_ru(ls, p));
+  const float digits = __fmul_ru(__fmul_ru(0x1.02p14f, ls), __fmul_ru(s_max, unscale));
+  const float tiny = __fmul_ru(0x1p-140f, __fadd_ru(__fmul_ru(ls, unscale), __fadd_ru(ls, 1.0f)));
+  return __fmul_ru(__fadd_ru(__fadd_ru(residual, roundings), __fadd_ru(digits, tiny)), 1.0f + 0x1p-20f);
+}
+
+// Launch start: each warp's largest W2 scale and residual norm over the CTA's rows it reads (as bits:
+// a NaN or negative value reads above +inf, and makes the bound unusable), in cert_maxima; the exact
+// keys and counts zeroed. Before Start's barrier.
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::StartCertificate() {
+  uint32_t s_bits = 0, r_bits = 0;
+  for (int i = tid; i < my_rows; i += THREADS) {
+    s_bits = max(s_bits, __float_as_uint(__ldg(a.scale + first_row + i)));
+    r_bits = max(r_bits, __float_as_uint(__ldg(a.residual_norm + first_row + i)));
+  }
+  s_bits = __reduce_max_sync(0xffffffffu, s_bits);
+  r_bits = __reduce_max_sync(0xffffffffu, r_bits);
+  if (lane == 0) {
+    cert_maxima[2 * warp] = s_bits;
+    cert_maxima[2 * warp + 1] = r_bits;
+  }
+  if (tid < kCertBatch) {
+    cert_exact[tid] = 0;
+    cert_counts[2 * tid] = 0;
+    cert_counts[2 * tid + 1] = 0;
+  }
+}
+
+// Request b's margin of the step and the W1 row of its e (row: the token whose W1 row `raw` holds),
+// by the warp that built its digits (after BuildDigits recorded the unscale).
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2], int row) {
+  float e[8];
+  RowFloats(a.w1_dtype, raw, e);
+  const uint32_t s_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane] : 0u);
+  const uint32_t r_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane + 1] : 0u);
+  __syncwarp();
+  const float margin = CertMargin(e, unscale[b], a.logit_scale, __uint_as_float(s_bits), __uint_as_float(r_bits),
+                                  s_bits <= 0x7f7fffffu && r_bits <= 0x7f7fffffu);
+  if (lane == 0) {
+    cert_margin[b] = margin;
+    cert_row[b] = ClampIndex(row, a.v_target);
+  }
+}
+
+// Exact keys of up to kRescoreBatch columns of request r at step k (cols: warp-uniform rows, -1 or
+// rows past V for none), from lane L's e[8L .. 8L+7], all loads issued first; the largest, or 0.
+template <class T>
+__device__ __forceinline__ unsigned long long WalkCta<T>::RescoreColumns(int r, int k, const float (&e)[8],
+                                                                         const int (&cols)[T::kRescoreBatch]) const {
+  constexpr int N = T::kRescoreBatch;
+  const int esize = ElementBytes(a.w2_exact_dtype), bsize = ElementBytes(a.base_dtype);
+  uint4 raw[N][2];
+  uint32_t base_bits[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    raw[j][0] = raw[j][1] = make_uint4(0, 0, 0, 0);
+    base_bits[j] = 0;
+    if (cols[j] >= 0 && cols[j] < vocab) {
+      const uint4* w =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(a.w2_exact) + size_t(cols[j]) * kRank * esize);
+      raw[j][0] = __ldg(w + (esize == 4 ? 2 * lane : lane));
+      if (esize == 4) raw[j][1] = __ldg(w + 2 * lane + 1);
+      const size_t at = (size_t(r) * steps + k) * vocab + cols[j];
+      base_bits[j] = bsize == 4 ? __ldg(static_cast<const uint32_t*>(a.base) + at)
+                                : __ldg(static_cast<const unsigned short*>(a.base) + at);
+    }
+  }
+  unsigned long long best = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float w[8];
+    RowFloats(a.w2_exact_dtype, raw[j], w);
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot = __fmaf_rn(w[i], e[i], dot);
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, m));
+    if (cols[j] < 0 || cols[j] >= vocab) continue;
+    const float base = BitsToFloat(base_bits[j], a.base_dtype);
+    float l = cols[j] < a.vocab_size ? __fadd_rn(base, __fmul_rn(a.logit_scale, dot)) : -INFINITY;
+    if (FORM != kPlainForm && a.logits != nullptr) l = StoreRoundedSelect(nullptr, 0, a.logits_dtype, l, false);
+    const unsigned long long key = PackArgmaxKey(l, uint32_t(cols[j]));
+    best = key > best ? key : best;
+  }
+  return best;
+}
+
+// Owned slot i of this lane after the warp's reduction: own, its best key of the step; cur, the CTA's
+// best so far of the slot's request. For each greedy request the warp re-scores its candidates (the
+// comment at the top) and folds their exact keys into cert_exact. The whole warp calls it.
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long long own, unsigned long long cur) {
+  constexpr int N = T::kRescoreBatch;
+  const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+  const bool greedy = rq < batch && inv_t[rq] < 0.0f && own != 0;
+  const int dtype = FORM == kPlainForm ? kF32 : a.logits_dtype;  // kF32 where no logits go out
+  bool first = false, second = false, all = false;
+  if (greedy) {
+    const float margin = cert_margin[rq], y_a = KeyScore(cur);
+    if (!(fabsf(y_a) < INFINITY && margin < INFINITY)) {
+      all = true;
+    } else {
+      const float threshold = CertThreshold(y_a, margin, dtype);
+      first = CertUpper(KeyScore(own), margin, dtype) >= threshold;
+      second = runner_up[i] != 0 && CertUpper(KeyScore(runner_up[i]), margin, dtype) >= threshold;
+      all = third[i] != 0 && CertUpper(OrderedToFloat(third[i]), margin, dtype) >= threshold;
+    }
+  }
+  const int own_row = int(ArgmaxKeyIndex(own)), second_row = int(ArgmaxKeyIndex(runner_up[i]));
+  for (int r = 0; r < min(batch, kCertBatch); ++r) {
+    const bool mine = greedy && rq == r;
+    const unsigned all_lanes = __ballot_sync(0xffffffffu, mine && all);
+    unsigned firsts = __ballot_sync(0xffffffffu, mine && first && !all);
+    unsigned seconds = __ballot_sync(0xffffffffu, mine && second && !all);
+    if ((all_lanes | firsts | seconds) == 0) continue;
+    // Lane L's e[8L .. 8L+7]: W1's row as the step gathered it (in L2, or L1).
+    float e[8];
+    {
+      uint4 raw[2];
+      raw[1] = make_uint4(0, 0, 0, 0);
+      const size_t offset = size_t(cert_row[r]) * kRank * ElementBytes(a.w1_dtype);
+      const uint4* w1_row = reinterpret_cast<const uint4*>(static_cast<const char*>(a.w1) + offset);
+      raw[0] = __ldg(w1_row + (a.w1_dtype == kF32 ? 2 * lane : lane));
+      if (a.w1_dtype == kF32) raw[1] = __ldg(w1_row + 2 * lane + 1);
+      RowFloats(a.w1_dtype, raw, e);
+    }
+    unsigned long long best = 0;
+    int count = 0;
+    // The candidates of lanes with one or two: their best and second rows, kRescoreBatch at a time.
+    while (firsts | seconds) {
+      int cols[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        cols[j] = -1;
+        if (firsts) {
+          cols[j] = __shfl_sync(0xffffffffu, own_row, __ffs(firsts) - 1);
+          firsts &= firsts - 1;
+        } else if (seconds) {
+          cols[j] = __shfl_sync(0xffffffffu, second_row, __ffs(seconds) - 1);
+          seconds &= seconds - 1;
+        }
+        count += cols[j] >= 0 && cols[j] < vocab;
+      }
+      const unsigned long long key = RescoreColumns(r, k, e, cols);
+      best = key > best ? key : best;
+    }
+    // Every row of the lanes that cannot tell: rows g and g + 8 of each of the warp's tiles.
+    for (unsigned left = all_lanes; left != 0; left &= left - 1) {
+      const int lane_g = (__ffs(left) - 1) >> 2, rows = 2 * tiles.total();
+      for (int m0 = 0; m0 < rows; m0 += N) {
+        int cols[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const int m = m0 + j, n = m >> 1;
+          const int tile = n < tiles.n_resident ? tiles.Local(false, n) : tiles.Local(true, n - tiles.n_resident);
+          cols[j] = m < rows ? RowOf(tile) + lane_g + 8 * (m & 1) : -1;
+          count += cols[j] >= 0 && cols[j] < vocab;
+        }
+        const unsigned long long key = RescoreColumns(r, k, e, cols);
+        best = key > best ? key : best;
+      }
+    }
+    if (lane == 0) {
+      atomicMax(&cert_exact[r], best);
+      if (a.cert_stats != nullptr) {
+        atomicAdd(&cert_counts[2 * r], unsigned(count));
+        atomicAdd(&cert_counts[2 * r + 1], unsigned(__popc(all_lanes)));
+      }
+    }
+  }
+}
+
+// After the CTA's barrier: each greedy request publishes its exact key (0 where the CTA has no rows),
+// sampled ones their int8 keys; the step's counts go to the stats. Thread b, which publishes request b
+// next (PublishKeys), alone touches b's words here.
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::AdoptExactKeys() {
+  if (tid >= min(batch, kCertBatch) || !(inv_t[tid] < 0.0f)) return;
+  cta_best[tid] = cert_exact[tid];
+  cert_exact[tid] = 0;
+  if (a.cert_stats == nullptr) return;
+  const unsigned int rescored = cert_counts[2 * tid], lanes = cert_counts[2 * tid + 1];
+  cert_counts[2 * tid] = 0;
+  cert_counts[2 * tid + 1] = 0;
+  unsigned long long* stats = a.cert_stats;
+  if (blockIdx.x == 0) {
+    atomicAdd(&stats[kCertDecisions], 1ull);
+    if (!(cert_margin[tid] < INFINITY)) atomicAdd(&stats[kCertUncertified], 1ull);
+  }
+  if (rescored != 0) {
+    atomicAdd(&stats[kCertRescored], (unsigned long long)rescored);
+    atomicMax(&stats[kCertMaxCtaRescored], (unsigned long long)rescored);
+    atomicAdd(&stats[kCertCtaSets], 1ull);
+  }
+  if (lanes != 0) atomicAdd(&stats[kCertLaneFallbacks], (unsigned long long)lanes);
+}
+
+}  // namespace walk
+}  // namespace jax_markov

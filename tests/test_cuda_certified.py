@@ -1,0 +1,256 @@
+"""The sm_90 kernel walking a CertifiedMarkovHead (ffi/cuda/walk/certified.cuh), on the GPU (skipped
+cleanly without one).
+
+- Greedy rows choose the unquantized head's tokens: those of the reference walking
+  `chead.unquantized` and of the bf16-head kernel, up to near-ties at fp32 rounding (the kernel
+  re-scores with exact products summed in fp32, in its own order), including the constructed cases of
+  tests/certified_cases.py where the plain int8 walk provably chooses another token (there at step 0
+  exactly).
+- Sampled rows are the plain int8 kernel's, and the returned logits are the int8 logits (teacher forced
+  along the certified tokens where the greedy rows went another way).
+- `_markov_cuda.certified_stats()`: every greedy decision counted, few columns re-scored on random
+  heads, every row re-scored where the bound cannot be used (an infinite e, a logit_scale that could
+  overflow a bias) and lanes that re-score all their rows where many columns tie.
+Every test draws fresh random inputs from its own seed, printed with its output and reproducible with
+JAX_MARKOV_TEST_SEED=<seed>; outputs land on poisoned (NaN) device memory.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov as jm
+from jax_markov import native
+from tests import certified_cases
+from tests.test_cuda import NEAR_TIE, poison_device_memory
+
+pytestmark = pytest.mark.skipif(not native.cuda_gpu_available(),
+                                reason="needs a CUDA GPU and the jax_markov CUDA module")
+
+V = 151936
+# On random heads each CTA re-scores its warps' best columns that come near its best so far: a few a
+# CTA and decision, far below V.
+MAX_RESCORED_FRACTION = 0.02
+MAX_CTA_RESCORED = 64
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("JAX_MARKOV_TEST_SEED", secrets.randbits(32)))
+    print(f"{request.node.name}: seed {seed} (rerun with JAX_MARKOV_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def stats():
+    """Reads (and zeroes) the CUDA certified walks' counters of the first GPU."""
+    ordinal = jax.devices("cuda")[0].local_hardware_id
+    native._markov_cuda.enable_certified_stats(ordinal)
+    native._markov_cuda.certified_stats(ordinal, reset=True)
+    return lambda: native._markov_cuda.certified_stats(ordinal, reset=True)
+
+
+def random_heads(rng, vocab, *, w1_dtype, w2_dtype=jnp.bfloat16):
+    """(MarkovHead, CertifiedMarkovHead) with an O(1) bias, so that int8 and W2 disagree at some steps."""
+    w1 = jnp.asarray(rng.standard_normal((vocab, 256)), w1_dtype)
+    w2 = jnp.asarray(rng.standard_normal((vocab, 256)) / 16.0, w2_dtype)
+    head = jm.MarkovHead(w1, w2)
+    return head, jm.quantize(head, certified=True)
+
+
+def walk(base, anchor, head, impl="ffi", **kw):
+    batch, steps, vocab = base.shape
+    poison_device_memory(batch * steps * vocab * 4 * 2)
+    out = jm.walk(base, anchor, head, impl=impl, **kw)
+    jax.block_until_ready(out)
+    return out
+
+
+def assert_unquantized_tokens(got, base, anchor, chead, kw, tokens_match):
+    """Greedy rows of `got` against the reference walking the unquantized head (its logits, rounded as
+    the call rounds them, are the scores) and against the bf16-head kernel; near-ties only."""
+    ref = walk(base, anchor, chead.unquantized, "reference", **dict(kw, return_logits=True))
+    greedy = np.asarray(kw.get("temperature", np.zeros(base.shape[0]))) <= 0
+    narrow = jnp.dtype(kw.get("logits_dtype", jnp.float32)) != jnp.float32 and kw.get("return_logits", False)
+    rtol = 2.0 ** -7 if narrow else NEAR_TIE  # one unit of bf16 where the walk chooses from rounded logits
+    scores = np.asarray(ref.logits.astype(jnp.float32))[greedy]
+    for other in (ref.tokens, walk(base, anchor, chead.unquantized, **kw).tokens):
+        tokens_match(scores, np.asarray(other)[greedy], np.asarray(got.tokens)[greedy], NEAR_TIE, rtol=rtol,
+                     d2t=kw.get("d2t"), max_mismatch_rows=1)
+
+
+def int8_logits_along(tokens, base, anchor, qhead, **kw):
+    """The plain int8 kernel's logits of each step walked from the given tokens (a K = 1 call a step)."""
+    prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(tokens)[:, :-1]], axis=1)
+    return np.concatenate([np.asarray(walk(base[:, k:k + 1], jnp.asarray(prev[:, k], jnp.int32), qhead,
+                                           return_logits=True, **kw).logits.astype(jnp.float32))
+                           for k in range(base.shape[1])], axis=1)
+
+
+def assert_int8_logits(got, base, anchor, chead, logits_dtype, **kw):
+    want = int8_logits_along(got.tokens, base, anchor, chead.quantized, logits_dtype=logits_dtype, **kw)
+    narrow = jnp.dtype(logits_dtype) != jnp.float32
+    # the same int8 logits, up to the last fp32 bit (each instance fuses its own multiply-adds) and so
+    # one unit of a narrower dtype
+    np.testing.assert_allclose(np.asarray(got.logits.astype(jnp.float32)), want, rtol=2.0 ** -7 if narrow else 1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("case,logits_dtype", certified_cases.CASE_PARAMS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_constructed_disagreements(rng, stats, assert_tokens_match, case, logits_dtype, batch):
+    c = certified_cases.CASES[case](rng, logits_dtype=logits_dtype, batch=batch, steps=4)
+    chead = jm.quantize(c.head, certified=True)
+    kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
+    plain = walk(c.base, c.anchor, chead.quantized, **kw)
+    np.testing.assert_array_equal(plain.tokens[:, 0], c.int8)  # the construction: int8 chooses otherwise
+    stats()
+    got = walk(c.base, c.anchor, chead, **kw)
+    counted = stats()
+    np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
+    assert_unquantized_tokens(got, c.base, c.anchor, chead, kw, assert_tokens_match)
+    steps = c.base.shape[1]
+    assert counted["decisions"] == batch * steps and counted["uncertified"] == 0, counted
+    assert counted["rescored"] >= 2 * batch, counted  # at least both columns of each step-0 pair
+    if logits_dtype is not None:
+        assert_int8_logits(got, c.base, c.anchor, chead, logits_dtype)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("w1_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16, jnp.float32])
+def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype, logits_dtype):
+    """V = 151936, K = 7, bf16 base logits: the plain form (tokens only) and the any form (logits out)."""
+    head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
+    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
+    kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
+    stats()
+    got = walk(base, anchor, chead, **kw)
+    counted = stats()
+    assert_unquantized_tokens(got, base, anchor, chead, kw, assert_tokens_match)
+    decisions = batch * 7
+    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
+    assert counted["cta_sets"] >= decisions, counted  # every CTA with rows re-scores its best at least
+    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
+    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
+    assert counted["lane_fallbacks"] <= decisions, counted
+    print(f"certified: {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
+          f"{counted['rescored'] / counted['cta_sets']:.2f} a CTA, {counted['lane_fallbacks']} lane fallbacks")
+    if logits_dtype is not None:
+        assert_int8_logits(got, base, anchor, chead, logits_dtype)
+
+
+@pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
+def test_mixed_batch(rng, stats, assert_tokens_match, reference_scores, logits_dtype):
+    """One greedy and one sampled request in a call: the greedy row certified, the sampled row the plain
+    int8 kernel's (same noise, int8 scores)."""
+    head, chead = random_heads(rng, V, w1_dtype=jnp.bfloat16)
+    base = jnp.asarray(rng.standard_normal((2, 7, V)) * 2.0, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
+    kw = dict(temperature=jnp.asarray([0.0, 0.8], jnp.float32),
+              key=jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 2),
+              position=jnp.asarray(rng.integers(0, 4096, 2), jnp.int32))
+    if logits_dtype is not None:
+        kw.update(return_logits=True, logits_dtype=logits_dtype)
+    stats()
+    got = walk(base, anchor, chead, **kw)
+    counted = stats()
+    assert counted["decisions"] == 7, counted  # the greedy row's steps only
+    assert_unquantized_tokens(got, base, anchor, chead, kw, assert_tokens_match)
+    int8 = walk(base, anchor, chead.quantized, **dict(kw, return_logits=True, logits_dtype=logits_dtype or jnp.float32))
+    scores = reference_scores(int8.logits, kw["temperature"], kw["key"], kw["position"])
+    assert_tokens_match(np.asarray(scores)[1:], np.asarray(int8.tokens)[1:], np.asarray(got.tokens)[1:], NEAR_TIE,
+                        rtol=NEAR_TIE, max_mismatch_rows=1)
+    if logits_dtype is not None:
+        np.testing.assert_allclose(np.asarray(got.logits.astype(jnp.float32))[1],
+                                   np.asarray(int8.logits.astype(jnp.float32))[1], rtol=2.0 ** -7, atol=1e-6)
+
+
+def test_masked_padding_nan_d2t_and_logit_scale(rng, assert_tokens_match):
+    """The spec's rules on a constructed near-tie: the exact winner masked (-inf) or in the padding
+    (vocab_size), d2t and a negative logit_scale; a NaN base logit (the first NaN wins)."""
+    c = certified_cases.near_tie(rng, batch=2, steps=3, vocab=4096)
+    chead = jm.quantize(c.head, certified=True)
+    base = np.asarray(c.base).copy()
+    base[0, 0, c.exact[0]] = -np.inf  # masked: the next best exact column
+    vocab = base.shape[2]
+    d2t = jnp.asarray(rng.integers(0, 3, vocab), jnp.int32)
+    for kw in (dict(), dict(vocab_size=int(c.exact[1])), dict(d2t=d2t, logit_scale=-0.75)):
+        got = walk(jnp.asarray(base), c.anchor, chead, **kw)
+        assert_unquantized_tokens(got, jnp.asarray(base), c.anchor, chead, kw, assert_tokens_match)
+    base[1, 0, [c.int8[1], c.exact[1]]] = np.nan
+    got = walk(jnp.asarray(base), c.anchor, chead)
+    assert got.tokens[1, 0] == min(c.int8[1], c.exact[1])
+
+
+def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_tokens_match):
+    """An infinity in e (W1[anchor]) or a logit_scale that could overflow a bias: every CTA re-scores
+    all its rows of that step, and the tokens are still the unquantized walk's (IEEE infinities and
+    NaN do not depend on the order of the sum)."""
+    vocab = 20011
+    head, _ = random_heads(rng, vocab, w1_dtype=jnp.float32)
+    head = jm.MarkovHead(head.w1.at[5, 3].set(jnp.inf), head.w2)
+    chead = jm.quantize(head, certified=True)
+    base = jnp.asarray(rng.standard_normal((2, 3, vocab)), jnp.float32)
+    anchor = jnp.asarray([5, 1], jnp.int32)
+    for kw, uncertified in ((dict(), None), (dict(logit_scale=1e37), 6)):
+        got = walk(base, anchor, chead, **kw)
+        counted = stats()
+        ref = walk(base, anchor, chead.unquantized, "reference", return_logits=True, **kw)
+        assert ref.tokens[0, 0] == got.tokens[0, 0]  # from NaN and infinite logits: no tolerance
+        assert_tokens_match(np.asarray(ref.logits), np.asarray(ref.tokens), np.asarray(got.tokens), NEAR_TIE,
+                            rtol=NEAR_TIE, max_mismatch_rows=1)
+        assert counted["uncertified"] == (uncertified or counted["uncertified"]) >= 1, counted
+        assert counted["rescored"] >= counted["uncertified"] * vocab, counted
+
+
+def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
+    """W2 rows repeating every 8 rows and equal base logits: the best class ties at hundreds of columns,
+    so lanes hold three candidates or more and re-score all their rows; the lowest index still wins,
+    as in the unquantized walk."""
+    vocab = 4096
+    w1 = jnp.asarray(rng.standard_normal((vocab, 256)), jnp.bfloat16)
+    w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
+    head = jm.MarkovHead(w1, w2)
+    chead = jm.quantize(head, certified=True)
+    base = jnp.zeros((2, 3, vocab), jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, vocab, 2), jnp.int32)
+    got = walk(base, anchor, chead)
+    counted = stats()
+    want = walk(base, anchor, head, "reference")
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert np.all(np.asarray(got.tokens) < 8)
+    assert counted["lane_fallbacks"] > 0, counted
+
+
+def test_decode_loop_and_auto(rng, stats):
+    """impl="auto" walks a certified head of 1-2 requests on the kernel (its counters move), inside a
+    jitted decode loop too; 3 requests walk on the reference."""
+    head, chead = random_heads(rng, 20011, w1_dtype=jnp.bfloat16)
+    base = jnp.asarray(rng.standard_normal((2, 2, 5, 20011)), jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, 20011, 2), jnp.int32)
+
+    @jax.jit
+    def rounds(h):
+        def body(i, carry):
+            prev, out = carry
+            tokens = jm.walk(base[i], prev, h).tokens
+            return tokens[:, -1], out.at[i].set(tokens)
+        return jax.lax.fori_loop(0, 2, body, (anchor, jnp.zeros((2, 2, 5), jnp.int32)))[1]
+
+    assert "custom_call @jax_markov_walk" in rounds.lower(chead).as_text()
+    got = np.asarray(rounds(chead))
+    assert stats()["decisions"] == 2 * 2 * 5
+    want = np.asarray(rounds(head))
+    assert (got == want).mean() > 0.9  # the bf16-head kernel: equal up to near-ties (and the walk after them)
+    three = jnp.asarray(rng.standard_normal((3, 5, 20011)), jnp.bfloat16)
+    text = jax.jit(lambda x, a, h: jm.walk(x, a, h).tokens).lower(three, jnp.zeros(3, jnp.int32), chead).as_text()
+    assert "custom_call @jax_markov_walk" not in text
+    with pytest.raises(ValueError, match="B <= 2"):
+        jm.walk(three, jnp.zeros(3, jnp.int32), chead, impl="ffi")
