@@ -211,10 +211,11 @@ def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_to
 
 
 def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
-    """W2 rows repeating every 8 rows and equal base logits: the best class ties at hundreds of columns,
-    so lanes hold three candidates or more and re-score all their rows; the lowest index still wins,
-    as in the unquantized walk."""
-    vocab = 4096
+    """W2 rows repeating every 8 rows and equal base logits: the best class ties at thousands of columns.
+    At this V every warp scores two tiles or more, so that a lane's rows (g and g + 8 of each, one
+    class) hold three candidates or more and it re-scores all of them; the lowest index still wins, as
+    in the unquantized walk."""
+    vocab = 69632  # 33 tiles a CTA on 132 SMs
     w1 = jnp.asarray(rng.standard_normal((vocab, 256)), jnp.bfloat16)
     w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)

@@ -47,16 +47,17 @@ struct WalkSmem {
 };
 
 // A certified walk's state (the digit kernel's CERT instances, up to kCertBatch requests): per request
-// the CTA's exact key of the step, its margin, the W1 row of its e and the step's counts for the
-// stats (columns re-scored, lanes that re-scored all their rows); per warp the largest W2 scale and
-// residual norm of its rows (as bits), which give the CTA's once a launch.
+// the CTA's exact key of the step, its margin and the step's counts for the stats (columns re-scored,
+// lanes that re-scored all their rows); per warp the largest W2 scale and residual norm of its rows
+// (as bits), which give the CTA's once a launch; then each request's e of the step as floats, for the
+// warps that re-score (one shared-memory read, not an L2 round trip ahead of the W2 rows' loads).
 struct CertSmem {
   static constexpr int kExact = 0;                                  // unsigned long long [kCertBatch]
   static constexpr int kMargin = kExact + 8 * kCertBatch;           // float [kCertBatch]
-  static constexpr int kRow = kMargin + 4 * kCertBatch;             // int [kCertBatch]
-  static constexpr int kCounts = kRow + 4 * kCertBatch;             // unsigned int [kCertBatch][2]
+  static constexpr int kCounts = kMargin + 4 * kCertBatch;          // unsigned int [kCertBatch][2]
   static constexpr int kMaxima = kCounts + 8 * kCertBatch;          // unsigned int [kMaxWarps][2]
-  static constexpr int kBytes = (kMaxima + 8 * kMaxWarps + 15) / 16 * 16;
+  static constexpr int kE = (kMaxima + 8 * kMaxWarps + 15) / 16 * 16;  // float [batch][256]
+  MARKOV_HOST_DEVICE static constexpr int Bytes(int batch) { return kE + batch * kRank * int(sizeof(float)); }
 };
 
 // The transposed kernel's wgmma operands in shared memory: canonical K-major layout without swizzle.

@@ -150,8 +150,9 @@ int W2Code(ffi::DataType t) {
 ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
                               ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
                               ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
-                              ffi::RemainingArgs certificate, ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::AnyBuffer> logits,
-                              ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size, float logit_scale, bool sampling) {
+                              ffi::RemainingArgs certificate, ffi::Result<ffi::Buffer<ffi::S32>> tokens,
+                              ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size,
+                              float logit_scale, bool sampling) {
   const auto bd = base.dimensions();
   const auto w1d = w1.dimensions();
   const auto w2d = w2.dimensions();
@@ -321,8 +322,9 @@ cudaError_t CertifiedStats(int device, bool reset, std::vector<unsigned long lon
   cudaError_t err = cudaGetDevice(&current);
   if (err == cudaSuccess) err = cudaSetDevice(device);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  if (err == cudaSuccess) err = cudaMemcpy(out->data(), buffer, out->size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
-  if (err == cudaSuccess && reset) err = cudaMemset(buffer, 0, out->size() * sizeof(unsigned long long));
+  const size_t bytes = out->size() * sizeof(unsigned long long);
+  if (err == cudaSuccess) err = cudaMemcpy(out->data(), buffer, bytes, cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess && reset) err = cudaMemset(buffer, 0, bytes);
   const cudaError_t restored = cudaSetDevice(current);
   return err != cudaSuccess ? err : restored;
 }

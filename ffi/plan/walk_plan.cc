@@ -130,7 +130,7 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   const int fixed = WalkFixedBytes(nt, pairs, warps, rows_per_cta, stage ? stage_bytes : 0,
                                  p.noise_ahead ? batch * rows_per_cta * int(sizeof(float)) : 0,
                                  p.noise_tiles ? NoiseTileBytes(batch) : 0,
-                                 p.logits_staged ? OutStageBytes(nt, f32_out) : 0, cert ? CertSmem::kBytes : 0);
+                                 p.logits_staged ? OutStageBytes(nt, f32_out) : 0, cert ? CertSmem::Bytes(batch) : 0);
   p.resident_tiles = std::min(p.tiles_per_cta, (props.smem_per_block - fixed) / tile_bytes);
   p.smem_bytes = fixed + std::max(p.resident_tiles, 0) * tile_bytes;
   p.threads = threads;

@@ -141,21 +141,21 @@ __device__ __forceinline__ void WalkCta<T>::StartCertificate() {
   }
 }
 
-// Request b's margin of the step and the W1 row of its e (row: the token whose W1 row `raw` holds),
+// Request b's margin of the step, and its e (lane L: e[8L .. 8L+7], from W1's raw words) in cert_e,
 // by the warp that built its digits (after BuildDigits recorded the unscale).
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2], int row) {
+__device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2]) {
   float e[8];
   RowFloats(a.w1_dtype, raw, e);
+  float4* to = reinterpret_cast<float4*>(cert_e + b * kRank + 8 * lane);
+  to[0] = make_float4(e[0], e[1], e[2], e[3]);
+  to[1] = make_float4(e[4], e[5], e[6], e[7]);
   const uint32_t s_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane] : 0u);
   const uint32_t r_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane + 1] : 0u);
   __syncwarp();
   const float margin = CertMargin(e, unscale[b], a.logit_scale, __uint_as_float(s_bits), __uint_as_float(r_bits),
                                   s_bits <= 0x7f7fffffu && r_bits <= 0x7f7fffffu);
-  if (lane == 0) {
-    cert_margin[b] = margin;
-    cert_row[b] = ClampIndex(row, a.v_target);
-  }
+  if (lane == 0) cert_margin[b] = margin;
 }
 
 // Exact keys of up to kRescoreBatch columns of request r at step k (cols: warp-uniform rows, -1 or
@@ -229,17 +229,10 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
     unsigned firsts = __ballot_sync(0xffffffffu, mine && first && !all);
     unsigned seconds = __ballot_sync(0xffffffffu, mine && second && !all);
     if ((all_lanes | firsts | seconds) == 0) continue;
-    // Lane L's e[8L .. 8L+7]: W1's row as the step gathered it (in L2, or L1).
-    float e[8];
-    {
-      uint4 raw[2];
-      raw[1] = make_uint4(0, 0, 0, 0);
-      const size_t offset = size_t(cert_row[r]) * kRank * ElementBytes(a.w1_dtype);
-      const uint4* w1_row = reinterpret_cast<const uint4*>(static_cast<const char*>(a.w1) + offset);
-      raw[0] = __ldg(w1_row + (a.w1_dtype == kF32 ? 2 * lane : lane));
-      if (a.w1_dtype == kF32) raw[1] = __ldg(w1_row + 2 * lane + 1);
-      RowFloats(a.w1_dtype, raw, e);
-    }
+    // Lane L's e[8L .. 8L+7], as Choose left it.
+    const float4* from = reinterpret_cast<const float4*>(cert_e + r * kRank + 8 * lane);
+    const float4 lo = from[0], hi = from[1];
+    const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     unsigned long long best = 0;
     int count = 0;
     // The candidates of lanes with one or two: their best and second rows, kRescoreBatch at a time.

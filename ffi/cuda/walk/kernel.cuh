@@ -69,8 +69,7 @@ struct WalkCta {
   unsigned char *out_buffer, *resident;
   // A certified walk's state (CertSmem; certified.cuh).
   unsigned long long* cert_exact;
-  float* cert_margin;
-  int* cert_row;
+  float *cert_margin, *cert_e;
   unsigned int *cert_counts, *cert_maxima;
   uint32_t out_column;     // this lane's stmatrix column address in out_buffer
   uint32_t resident_lane;  // this lane's 16 bytes of resident tile 0, as a shared address
@@ -113,7 +112,7 @@ struct WalkCta {
   // A certified walk (certified.cuh): the CTA's largest scale and residual norm, a request's margin
   // with its e, each warp's candidates re-scored exactly, the CTA's exact keys taken for publishing.
   __device__ __forceinline__ void StartCertificate();
-  __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2], int row);
+  __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2]);
   __device__ __forceinline__ void Certify(int k, int i, unsigned long long own, unsigned long long cur);
   __device__ __forceinline__ unsigned long long RescoreColumns(int r, int k, const float (&e)[8],
                                                                const int (&cols)[T::kRescoreBatch]) const;
@@ -158,7 +157,7 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
       Smem::Layout(kWarps, stage_rows, STAGED ? a.batch * stage_rows * ElementBytes(a.base_dtype) : 0,
                    a.noise_ahead ? a.batch * stage_rows * int(sizeof(float)) : 0,
                    noise_tiles ? Smem::NoiseTileFloats(a.batch) * int(sizeof(float)) : 0, staged_out ? out_stage_bytes : 0,
-                   CERT ? CertSmem::kBytes : 0);
+                   CERT ? CertSmem::Bytes(a.batch) : 0);
   frag = reinterpret_cast<uint32_t*>(smem);
   digits = reinterpret_cast<int8_t*>(smem);
   cta_best = reinterpret_cast<unsigned long long*>(smem + Smem::kFragBytes);
@@ -182,9 +181,9 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   if constexpr (CERT) {
     cert_exact = reinterpret_cast<unsigned long long*>(smem + parts.cert + CertSmem::kExact);
     cert_margin = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kMargin);
-    cert_row = reinterpret_cast<int*>(smem + parts.cert + CertSmem::kRow);
     cert_counts = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kCounts);
     cert_maxima = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kMaxima);
+    cert_e = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kE);
   }
   // Lane L's column address for matrix L / 8 of n-tile 0: h = (L / 8) % 2, c = L % 8; matrices 2 and 3
   // (f32's low halves) in the second array.
@@ -309,7 +308,7 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
       if (b >= batch) break;
       if constexpr (DIGITS) {
         BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
-        if constexpr (CERT) CertifyE(b, w1_raw[u], row[u]);
+        if constexpr (CERT) CertifyE(b, w1_raw[u]);
       } else if constexpr (EREGS) {
         BuildDigitPairOperands(a, b, k, lane, w1_raw[u], frag, unscale);
       } else if constexpr (PAIRS) {
