@@ -27,7 +27,8 @@
 // cuda __f*_ru intrinsics), then inflated by 2^-20: the margin M of the step, per request, in
 // cert_margin. The logits l8 = RN(base + b8) and lr = RN(base + br) then differ by at most
 // M + 2^-22 |l8| (RN is monotone; the last add rounds each by u |l|).
-// This holds where nothing overflows: e finite, 127 s_max ||e||_1 and L times it below 2^124, s_max below
+// This holds where nothing overflows and E is e's: e finite with ||e||_1 <= kMaxShiftedAbs (a larger
+// max |e| takes sigma = 0 and its E saturates), 127 s_max ||e||_1 and L times it below 2^124, s_max below
 // 2^86 (|fl(D) s| finite) and U normal or 0 (`safe`); otherwise M = +inf and every row is re-scored.
 //
 // Keys hold y = l8, or l8 rounded to the logits dtype where logits go out (bf16/f16: the walk chooses
@@ -106,8 +107,8 @@ __device__ __forceinline__ float CertMargin(const float (&e)[8], float unscale, 
   const float ls = fabsf(logit_scale);
   const float p = __fmul_ru(__fmul_ru(127.0f, s_max), n1);  // NaN or inf where e is not finite
   const float u = unscale * logit_scale;                    // exact where normal
-  const bool safe = coefficients_ok && p < 0x1p124f && __fmul_ru(ls, p) < 0x1p124f && s_max < 0x1p86f &&
-                    (logit_scale == 0.0f || (fabsf(u) >= 0x1p-126f && fabsf(u) < INFINITY));
+  const bool safe = coefficients_ok && n1 <= kMaxShiftedAbs && p < 0x1p124f && __fmul_ru(ls, p) < 0x1p124f &&
+                    s_max < 0x1p86f && (logit_scale == 0.0f || (fabsf(u) >= 0x1p-126f && fabsf(u) < INFINITY));
   if (!safe) return INFINITY;
   const float by_norm2 = __fmul_ru(r_max, __fsqrt_ru(n2));
   const float by_norm1 = __fmul_ru(0x1.0002p-1f, __fmul_ru(s_max, n1));  // (1/2 + 2^-16) s ||e||_1

@@ -110,8 +110,14 @@ __device__ __forceinline__ void LoadRowAndEmbeds(const WalkArgs& a, int b, int k
   }
 }
 
+// The largest |e| of a row that RowShift scales: a larger finite one takes shift 0 as a non-finite row
+// does, and its integers saturate (the walk's scores of such a row are not e's; the certified walk
+// re-scores every column of its step).
+constexpr float kMaxShiftedAbs = 3.0e38f;
+
 // The shift that brings the row's largest |e| into [2^(top - 1), 2^top) (at most max_shift; 0 for
-// a zero or non-finite row). Lane 0 records 2^-shift, which undoes it exactly after the dot product.
+// a zero or non-finite row, or one above kMaxShiftedAbs). Lane 0 records 2^-shift, which undoes it
+// exactly after the dot product.
 // amax's biased exponent field is frexpf's exponent + 126 where amax is normal; a subnormal amax
 // reads as 2^-126 and gets max_shift either way (top + 126 > max_shift). With top <= 22 and
 // max_shift <= 126, shift and -shift are in Pow2's range.
@@ -122,7 +128,7 @@ __device__ __forceinline__ int RowShift(const float (&e)[8], int top, int max_sh
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   int shift = 0;
-  if (amax > 0.0f && amax <= 3.0e38f) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
+  if (amax > 0.0f && amax <= kMaxShiftedAbs) shift = min(top - (int(__float_as_uint(amax) >> 23) - 126), max_shift);
   if (lane == 0) *unscale = Pow2(-shift);
   return shift;
 }
