@@ -87,13 +87,16 @@ def _plant_large_element(rng, w1, w2, anchor, exact_row, large):
     w2[exact_row] = 0.25 * s
 
 
-def one_large_element(rng, *, logits_dtype=None, vocab=512, rank=256, batch=3, steps=3, w1_dtype=jnp.bfloat16):
+def one_large_element(rng, *, logits_dtype=None, vocab=512, rank=256, batch=3, steps=3, w1_dtype=jnp.bfloat16,
+                      pairs=None):
+    """pairs: each request's (exact, int8) columns where the caller places them; by default (c + 1, c) for
+    a random even c (one block)."""
     w1, w2 = _random_rows(rng, vocab, rank)
     anchor = rng.choice(vocab, batch, replace=False)
-    pairs = []
-    for b, c in enumerate(rng.choice(vocab // 2, batch, replace=False) * 2):  # (c, c + 1): one block
-        _plant_large_element(rng, w1, w2, anchor[b], c + 1, c)
-        pairs.append((c + 1, c))
+    if pairs is None:
+        pairs = [(c + 1, c) for c in rng.choice(vocab // 2, batch, replace=False) * 2]
+    for b, (exact, large) in enumerate(pairs):
+        _plant_large_element(rng, w1, w2, anchor[b], exact, large)
     return _finish(rng, w1, w2, anchor, pairs, [(0.125, 0.0)] * batch, steps, w1_dtype, logits_dtype)
 
 

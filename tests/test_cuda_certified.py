@@ -5,7 +5,8 @@ cleanly without one).
   `chead.unquantized` and of the bf16-head kernel, up to near-ties at fp32 rounding (the kernel
   re-scores with exact products summed in fp32, in its own order), including the constructed cases of
   tests/certified_cases.py where the plain int8 walk provably chooses another token (there at step 0
-  exactly).
+  exactly), also at V = 151936 with the pair placed as a lane's best and second, in a streamed tile
+  and in two CTAs.
 - Sampled rows are the plain int8 kernel's, and the returned logits are the int8 logits (teacher forced
   along the certified tokens where the greedy rows went another way).
 - `_markov_cuda.certified_stats()`: every greedy decision counted, few columns re-scored on random
@@ -121,6 +122,53 @@ def test_constructed_disagreements(rng, stats, assert_tokens_match, case, logits
         assert_int8_logits(got, c.base, c.anchor, chead, logits_dtype)
 
 
+def placed_pairs(placement, batch, plan):
+    """Each request's (exact, int8) columns for certified_cases.one_large_element, placed in the CTAs'
+    tiles of `plan` (CTA 3 + 5b for request b; warp w holds resident tiles w, w + 16, ... and the
+    lanes of group g rows g and g + 8 of each of its tiles):
+    - lane_rows: rows g and g + 8 of one resident tile, the int8 best and second of one lane;
+    - lane_tiles: row g of two resident tiles of one warp, 16 tiles apart (one lane again);
+    - streamed: two lanes' rows of one streamed tile;
+    - two_ctas: the same row of two neighbouring CTAs (the grid's exchange of exact keys)."""
+    rows, resident = plan["tiles_per_cta"] * 16, plan["resident_tiles"]
+    assert 22 <= resident and resident + 3 <= plan["tiles_per_cta"], plan  # room for every placement
+    pairs = []
+    for b in range(batch):
+        first = (3 + 5 * b) * rows
+        large = first + 16 * (resident + 2 if placement == "streamed" else 5) + 3
+        exact = large + {"lane_rows": 8, "lane_tiles": 16 * 16, "streamed": 1, "two_ctas": rows}[placement]
+        pairs.append((exact, large))
+    return pairs
+
+
+@pytest.mark.parametrize("placement", ["lane_rows", "lane_tiles", "streamed", "two_ctas"])
+@pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, placement, logits_dtype, batch):
+    """one_large_element at V = 151936 from bf16 base logits (tokens only: the plain form; logits out:
+    the any form), its pair placed where the filter must keep the exact winner as a lane's second
+    candidate, in a streamed tile, or in another CTA than the int8 winner (placed_pairs)."""
+    kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
+    plan = native.cuda_launch_plan(batch, 4, V, 256, jnp.bfloat16, jnp.int8, base_dtype=jnp.bfloat16,
+                                   logits_dtype=logits_dtype, certified=True)[0]
+    assert ",certified," in plan["name"] and ("form=plain" if logits_dtype is None else "form=any") in plan["name"], plan
+    c = certified_cases.one_large_element(rng, logits_dtype=logits_dtype, vocab=V, batch=batch, steps=4,
+                                          pairs=placed_pairs(placement, batch, plan))
+    base = c.base.astype(jnp.bfloat16)
+    chead = jm.quantize(c.head, certified=True)
+    # the construction holds in bf16 base logits: the unquantized and the int8 walks part at step 0
+    np.testing.assert_array_equal(walk(base, c.anchor, chead.unquantized, "reference", **kw).tokens[:, 0], c.exact)
+    np.testing.assert_array_equal(walk(base, c.anchor, chead.quantized, **kw).tokens[:, 0], c.int8)
+    stats()
+    got = walk(base, c.anchor, chead, **kw)
+    counted = stats()
+    np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
+    assert_unquantized_tokens(got, base, c.anchor, chead, kw, assert_tokens_match)
+    assert counted["decisions"] == batch * 4 and counted["uncertified"] == 0, counted
+    if logits_dtype is not None:
+        assert_int8_logits(got, base, c.anchor, chead, logits_dtype)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("w1_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16, jnp.float32])
@@ -211,7 +259,7 @@ def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_to
 
 
 def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
-    """W2 rows repeating every 8 rows and equal base logits: the best class ties at thousands of columns.
+    """W2 rows repeating every 8 rows and base logits too: the best class ties at thousands of columns.
     At this V every warp scores two tiles or more, so that a lane's rows (g and g + 8 of each, one
     class) hold three candidates or more and it re-scores all of them; the lowest index still wins, as
     in the unquantized walk."""
@@ -220,7 +268,7 @@ def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
     w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
     chead = jm.quantize(head, certified=True)
-    base = jnp.zeros((2, 3, vocab), jnp.bfloat16)
+    base = jnp.asarray(np.tile(rng.standard_normal((2, 3, 8)), (1, 1, vocab // 8)), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, 2), jnp.int32)
     got = walk(base, anchor, chead)
     counted = stats()
