@@ -115,7 +115,7 @@ def test_certified_head_takes_the_certified_digit_kernel(batch, sampling, logits
     for batch in (3, 16, 64):
         why = native._markov_plan.unsupported(batch, 7, 151936, native.cuda_envelope()["rank"], "int8", "bfloat16",
                                               "bfloat16", None, False, H100, True)
-        assert f"CertifiedMarkovHead for B <= 2 requests" in why and f"got B = {batch}" in why
+        assert "CertifiedMarkovHead for B <= 2 requests" in why and f"got B = {batch}" in why
         with pytest.raises(ValueError, match="B <= 2"):
             _plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100, certified=True)
     # the certified walk keeps a few bytes of state beside the plain walk's: at most one tile fewer

@@ -241,8 +241,8 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
   if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
-  if (call.certified && call.batch > kCertifiedMaxBatch) {
-    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertifiedMaxBatch) +
+  if (call.certified && call.batch > kCertBatch) {
+    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertBatch) +
            " requests (the digit kernel's certified walk), got B = " + std::to_string(call.batch);
   }
   const int64_t per_launch = std::min<int64_t>(call.batch, LaunchRequests(call.w2, call.w1_dtype));

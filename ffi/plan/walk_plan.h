@@ -67,9 +67,6 @@ int ColumnsPerRequest(int w2, int w1_dtype);
 // Requests per launch.
 int LaunchRequests(int w2, int w1_dtype);
 
-// The most requests a certified call (a CertifiedMarkovHead) the kernel walks: the digit kernel's.
-constexpr int kCertifiedMaxBatch = kCertBatch;
-
 // Why the kernel cannot walk `call` on this GPU, naming the limit, or "" if it can.
 std::string Unsupported(const WalkCall& call, const DeviceProperties& props);
 
