@@ -143,11 +143,12 @@ def placed_pairs(placement, batch, plan):
 
 @pytest.mark.parametrize("placement", ["lane_rows", "lane_tiles", "streamed", "two_ctas"])
 @pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, placement, logits_dtype, batch):
+def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, placement, logits_dtype):
     """one_large_element at V = 151936 from bf16 base logits (tokens only: the plain form; logits out:
     the any form), its pair placed where the filter must keep the exact winner as a lane's second
-    candidate, in a streamed tile, or in another CTA than the int8 winner (placed_pairs)."""
+    candidate, in a streamed tile, or in another CTA than the int8 winner (placed_pairs). Two requests,
+    so that both lanes of a group that finish a request (t = 0 and t = 2) have a pair."""
+    batch = 2
     kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
     plan = native.cuda_launch_plan(batch, 4, V, 256, jnp.bfloat16, jnp.int8, base_dtype=jnp.bfloat16,
                                    logits_dtype=logits_dtype, certified=True)[0]
