@@ -143,7 +143,9 @@ __device__ __forceinline__ void WalkCta<T>::StartCertificate() {
 }
 
 // Request b's margin of the step, and its e (lane L: e[8L .. 8L+7], from W1's raw words) in cert_e,
-// by the warp that built its digits (after BuildDigits recorded the unscale).
+// by the warp that built its digits (after BuildDigits recorded the unscale). CTA 0 counts the step's
+// decision of a greedy request here, and whether its bound is usable: read after the CTA's barrier,
+// cert_margin would meet the next step's write with no barrier between them (the direct exchange).
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2]) {
   float e[8];
@@ -156,7 +158,13 @@ __device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2
   __syncwarp();
   const float margin = CertMargin(e, unscale[b], a.logit_scale, __uint_as_float(s_bits), __uint_as_float(r_bits),
                                   s_bits <= 0x7f7fffffu && r_bits <= 0x7f7fffffu);
-  if (lane == 0) cert_margin[b] = margin;
+  if (lane == 0) {
+    cert_margin[b] = margin;
+    if (a.cert_stats != nullptr && blockIdx.x == 0 && inv_t[b] < 0.0f) {
+      atomicAdd(&a.cert_stats[kCertDecisions], 1ull);
+      if (!(margin < INFINITY)) atomicAdd(&a.cert_stats[kCertUncertified], 1ull);
+    }
+  }
 }
 
 // Exact keys of up to kRescoreBatch columns of request r at step k (cols: warp-uniform rows, -1 or
@@ -281,8 +289,8 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
 }
 
 // After the CTA's barrier: each greedy request publishes its exact key (0 where the CTA has no rows),
-// sampled ones their int8 keys; the step's counts go to the stats. Thread b, which publishes request b
-// next (PublishKeys), alone touches b's words here.
+// sampled ones their int8 keys; the CTA's re-scoring counts of the step go to the stats. Thread b,
+// which publishes request b next (PublishKeys), alone touches b's words here.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::AdoptExactKeys() {
   if (tid >= min(batch, kCertBatch) || !(inv_t[tid] < 0.0f)) return;
@@ -293,10 +301,6 @@ __device__ __forceinline__ void WalkCta<T>::AdoptExactKeys() {
   cert_counts[2 * tid] = 0;
   cert_counts[2 * tid + 1] = 0;
   unsigned long long* stats = a.cert_stats;
-  if (blockIdx.x == 0) {
-    atomicAdd(&stats[kCertDecisions], 1ull);
-    if (!(cert_margin[tid] < INFINITY)) atomicAdd(&stats[kCertUncertified], 1ull);
-  }
   if (rescored != 0) {
     atomicAdd(&stats[kCertRescored], (unsigned long long)rescored);
     atomicMax(&stats[kCertMaxCtaRescored], (unsigned long long)rescored);
