@@ -10,8 +10,9 @@ cleanly without one).
 - Sampled rows are the plain int8 kernel's, and the returned logits are the int8 logits (teacher forced
   along the certified tokens where the greedy rows went another way).
 - `_markov_cuda.certified_stats()`: every greedy decision counted, few columns re-scored on random
-  heads, every row re-scored where the bound cannot be used (an infinite e, a logit_scale that could
-  overflow a bias) and lanes that re-score all their rows where many columns tie.
+  heads, every row re-scored where the bound cannot be used (an infinite e, an element of e too large
+  for the digits, a logit_scale that could overflow a bias) and lanes that re-score all their rows
+  where many columns tie.
 Every test draws fresh random inputs from its own seed, printed with its output and reproducible with
 JAX_MARKOV_TEST_SEED=<seed>; outputs land on poisoned (NaN) device memory.
 """
@@ -238,25 +239,34 @@ def test_masked_padding_nan_d2t_and_logit_scale(rng, assert_tokens_match):
     assert got.tokens[1, 0] == min(c.int8[1], c.exact[1])
 
 
-def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_tokens_match):
-    """An infinity in e (W1[anchor]) or a logit_scale that could overflow a bias: every CTA re-scores
-    all its rows of that step, and the tokens are still the unquantized walk's (IEEE infinities and
-    NaN do not depend on the order of the sum)."""
+@pytest.mark.parametrize("element, w2_divisor, kw, uncertified", [
+    (np.inf, 16.0, dict(), None),
+    (np.inf, 16.0, dict(logit_scale=1e37), 6),
+    # finite, but above RowShift's limit (its integers saturate); W2 small enough that 127 s ||e||_1
+    # stays below 2^124, so that only that limit makes the bound unusable
+    (3.2e38, 256.0, dict(), None),
+])
+def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_tokens_match, element, w2_divisor, kw,
+                                                           uncertified):
+    """An infinity in e (W1[anchor]), an element of e too large for the digits, or a logit_scale that
+    could overflow a bias: every CTA re-scores all its rows of that step, and the tokens are still the
+    unquantized walk's (step 0 of request 0 has infinite logits, or logits that one element of e
+    dominates by far: no tolerance there)."""
     vocab = 20011
-    head, _ = random_heads(rng, vocab, w1_dtype=jnp.float32)
-    head = jm.MarkovHead(head.w1.at[5, 3].set(jnp.inf), head.w2)
+    w1 = rng.standard_normal((vocab, 256)).astype(np.float32)
+    w1[5, 3] = element
+    head = jm.MarkovHead(jnp.asarray(w1), jnp.asarray(rng.standard_normal((vocab, 256)) / w2_divisor, jnp.bfloat16))
     chead = jm.quantize(head, certified=True)
     base = jnp.asarray(rng.standard_normal((2, 3, vocab)), jnp.float32)
     anchor = jnp.asarray([5, 1], jnp.int32)
-    for kw, uncertified in ((dict(), None), (dict(logit_scale=1e37), 6)):
-        got = walk(base, anchor, chead, **kw)
-        counted = stats()
-        ref = walk(base, anchor, chead.unquantized, "reference", return_logits=True, **kw)
-        assert ref.tokens[0, 0] == got.tokens[0, 0]  # from NaN and infinite logits: no tolerance
-        assert_tokens_match(np.asarray(ref.logits), np.asarray(ref.tokens), np.asarray(got.tokens), NEAR_TIE,
-                            rtol=NEAR_TIE, max_mismatch_rows=1)
-        assert counted["uncertified"] == (uncertified or counted["uncertified"]) >= 1, counted
-        assert counted["rescored"] >= counted["uncertified"] * vocab, counted
+    got = walk(base, anchor, chead, **kw)
+    counted = stats()
+    ref = walk(base, anchor, chead.unquantized, "reference", return_logits=True, **kw)
+    assert ref.tokens[0, 0] == got.tokens[0, 0]
+    assert_tokens_match(np.asarray(ref.logits), np.asarray(ref.tokens), np.asarray(got.tokens), NEAR_TIE,
+                        rtol=NEAR_TIE, max_mismatch_rows=1)
+    assert counted["uncertified"] == (uncertified or counted["uncertified"]) >= 1, counted
+    assert counted["rescored"] >= counted["uncertified"] * vocab, counted
 
 
 def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
