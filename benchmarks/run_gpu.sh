@@ -7,8 +7,8 @@
 # It builds the CUDA and CPU modules once, with the design-floor probes (-DJAX_MARKOV_PROBES=ON; the
 # timeline part also builds the timeline variant), and names every output after the GPU (<gpu> is
 # h100 or h200: benchmarks/gpu_timing.py's results_name of nvidia-smi's name). Into OUT_DIR:
-#   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_design_floor.py and test_command_buffers.py, three
-#               shards side by side
+#   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_certified.py, test_design_floor.py and
+#               test_command_buffers.py, three shards side by side
 #   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes
 #   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
 #               options after --; the whole table takes longer than one command may, so give each call a
@@ -76,7 +76,7 @@ for part in "${parts[@]}"; do
     tests)
       # Three shards side by side; the third is whatever the first two leave, so that every GPU test
       # runs exactly once (tests/test_run_gpu_shards.py).
-      files="tests/test_cuda.py tests/test_design_floor.py tests/test_command_buffers.py"
+      files="tests/test_cuda.py tests/test_cuda_certified.py tests/test_design_floor.py tests/test_command_buffers.py"
       k1="(benchmark_shapes and not bf16) or sampled or transposed"
       k2="float_head or bf16 or large_batches or beyond_one_launch"
       python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k1" > /tmp/jm_t1.log 2>&1 & t1=$!
@@ -114,14 +114,15 @@ for part in "${parts[@]}"; do
       # kernel's instance for it, its base logits staged; 5003,3,2 not staged). 5000,3,4 and 5003,3,3
       # (this W1 is bf16) walk on e's digit pairs, logits out. 5000,3,12 greedy holds e's digit pairs as
       # the A operand (EREGS), its base logits staged; 151936,2,16 greedy does not stage them and
-      # streams tiles.
-      small="5000,3,12,greedy 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
+      # streams tiles. 5003,3,2 greedy certified re-scores candidates from the unquantized W2 (the
+      # certified digit kernel, its e in shared memory); 151936,2,1 greedy certified streams tiles.
+      small="5003,3,2,greedy,certified 5000,3,12,greedy 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       # At V = 151936 most warps keep a streamed W2 tile in registers from step to step (odd steps
       # take them in reverse): 151936,2,1 greedy in the digit kernel's instance for tokens only,
       # 151936,3,2 probabilistic in its instance for logits out, 151936,2,4 greedy on the digit pairs,
       # 151936,2,1,greedy,bf16 in the bf16 head's kernel. One sanitizer run a shape here: memcheck
       # once crashed (a segmentation fault, no error reported) on the third in one process.
-      streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,1,greedy,bf16"
+      streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,1,greedy,bf16 151936,2,1,greedy,certified"
       for tool in memcheck racecheck; do
         {
           header $tool

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_design_floor.py", "tests/test_command_buffers.py"]
+GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_certified.py", "tests/test_design_floor.py",
+                  "tests/test_command_buffers.py"]
 # The tests part's shell variables (files=, k1=, ...) and each shard's pytest line.
 _VARIABLE = re.compile(r'^\s*(\w+)="([^"]*)"$', re.M)
 _SHARD = re.compile(r'--durations=12 (\S+) -k "([^"]+)"')
