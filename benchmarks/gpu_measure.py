@@ -31,8 +31,8 @@ PROFILED_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def make_sets(vocab: int, steps: int, batch: int, n_sets: int = N_SETS, seed: int = 0):
-    """n_sets independent ((bf16 head, its int8 quantization), base logits), and the anchors; the
-    first set is the same for every n_sets."""
+    """n_sets independent ((bf16 head, its int8 quantization, its certified int8 quantization), base
+    logits), and the anchors; the first set is the same for every n_sets."""
     rng = np.random.default_rng(seed)
     sets = []
     for _ in range(n_sets):
@@ -40,7 +40,7 @@ def make_sets(vocab: int, steps: int, batch: int, n_sets: int = N_SETS, seed: in
         w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
         head = jm.MarkovHead(w1, w2)
         base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32) * 2.0, jnp.bfloat16)
-        sets.append(((head, jm.quantize(head)), base))
+        sets.append(((head, jm.quantize(head), jm.quantize(head, certified=True)), base))
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     return sets, anchor
 
@@ -56,9 +56,22 @@ def mode_inputs(mode: str, batch: int, seed: int = 0) -> dict:
                 position=jnp.asarray(position, jnp.int32))
 
 
+ARM_HEADS = {"eager": 0, "kernel-bf16": 0, "reference-int8": 1, "kernel-int8": 1, "kernel-certified": 2}
+
+
 def arm_head(arm: str, heads):
-    """The head an arm walks, of (bf16 head, int8 head)."""
-    return heads[1] if "int8" in arm else heads[0]
+    """The head an arm walks, of (bf16 head, int8 head, certified int8 head)."""
+    return heads[ARM_HEADS[arm]]
+
+
+def kernel_refuses(arm: str, mode: str, vocab: int, steps: int, batch: int) -> str | None:
+    """Why the CUDA kernel cannot walk this arm's head at this row and mode (its plan's reason), or None:
+    the certified walk takes a few requests only."""
+    if arm != "kernel-certified":
+        return None
+    logits = jnp.bfloat16 if mode == "probabilistic" else None
+    return native.cuda_unsupported_reason(batch, steps, vocab, 256, jnp.bfloat16, jnp.int8, base_dtype=jnp.bfloat16,
+                                          logits_dtype=logits, sampling=mode != "greedy", certified=True)
 
 
 def walk_arm(arm: str, mode: str, head, base, anchor, inputs: dict):

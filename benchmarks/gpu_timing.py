@@ -1,5 +1,6 @@
 """GPU table of benchmark_markov_walk.py: the eager walk (reference, bf16 head), the reference on the
-int8 head, and the cooperative kernel on the int8 head and on the unquantized bf16 head, timed on
+int8 head, and the cooperative kernel on the int8 head, on the certified int8 head (the batches its
+plan takes) and on the unquantized bf16 head, timed on
 device with cold L2, beside the floors and the published H100 kernel of the same design.
 
     python3 benchmarks/gpu_timing.py                      # every row, mode and arm: benchmarks/results/<gpu>.*
@@ -55,9 +56,9 @@ if not __package__:  # run as `python3 benchmarks/gpu_timing.py`: `benchmarks` i
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
 
 from benchmarks import design_floor  # noqa: E402
-from benchmarks.gpu_measure import (NO_COMMAND_BUFFERS, PROFILED_COMMAND_BUFFERS, arm_head, make_sets,  # noqa: E402
-                                    measure_copy_bandwidth, memory_per_call, mode_inputs, time_chained,
-                                    time_decode_loop)
+from benchmarks.gpu_measure import (NO_COMMAND_BUFFERS, PROFILED_COMMAND_BUFFERS, arm_head,  # noqa: E402
+                                    kernel_refuses, make_sets, measure_copy_bandwidth, memory_per_call,
+                                    mode_inputs, time_chained, time_decode_loop)
 from benchmarks.gpu_report import (ARMS, MODES, ROWS, fmt, make_table, merge_tables, row_key,  # noqa: E402
                                    write_table)
 
@@ -73,9 +74,17 @@ DECODE_ITERATIONS = 16
 # the runs
 
 
-def mode_arms(mode: str, arms=None) -> tuple:
-    """The arms to time in a mode: `arms` where given, else the mode's own (MODE_ARMS)."""
-    return tuple(arms) if arms else MODE_ARMS[mode]
+def mode_arms(mode: str, arms=None, row=None, log=print) -> tuple:
+    """The arms to time in a mode: `arms` where given, else the mode's own (MODE_ARMS); at a row
+    (V, K, B), less those whose head the kernel cannot walk there (logged)."""
+    chosen = tuple(arms) if arms else MODE_ARMS[mode]
+    if row is None:
+        return chosen
+    refused = {arm: kernel_refuses(arm, mode, *row) for arm in chosen}
+    for arm, why in refused.items():
+        if why:
+            log(f"  V={row[0]} K={row[1]} B={row[2]} {mode}: no {arm} arm ({why})")
+    return tuple(arm for arm in chosen if not refused[arm])
 
 
 def run_gpu(rows=ROWS, modes=MODES, arms=None, repeats: int = 15, iterations: int = DECODE_ITERATIONS,
@@ -94,7 +103,7 @@ def run_gpu(rows=ROWS, modes=MODES, arms=None, repeats: int = 15, iterations: in
         heads, base = sets[0]
         for mode in modes:
             inputs = mode_inputs(mode, batch)
-            chosen = mode_arms(mode, arms)
+            chosen = mode_arms(mode, arms, (vocab, steps, batch), log)
             timed = time_chained(chosen, mode, sets, anchor, inputs, repeats)
             loop = time_decode_loop(chosen, mode, heads, base, anchor, inputs, repeats, iterations)
             for arm in chosen:
@@ -124,7 +133,7 @@ def run_decode_loops(rows=ROWS, modes=MODES, arms=None, repeats: int = 15,
         sets, anchor = make_sets(vocab, steps, batch, n_sets=1)
         heads, base = sets[0]
         for mode in modes:
-            chosen = mode_arms(mode, arms)
+            chosen = mode_arms(mode, arms, (vocab, steps, batch), log=lambda line: None)
             loop = time_decode_loop(chosen, mode, heads, base, anchor, mode_inputs(mode, batch), repeats, iterations)
             out += [dict(vocab=vocab, steps=steps, batch=batch, mode=mode, arm=ARMS[arm],
                          decode_loop_us=loop[arm]["us"], decode_loop_busy_us=loop[arm]["busy_us"])

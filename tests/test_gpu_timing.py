@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_markov as jm
 from benchmarks import gpu_measure, gpu_report, gpu_timing
 
 KERNEL, EAGER, BF16 = gpu_report.KERNEL_INT8, gpu_report.EAGER, gpu_report.ARMS["kernel-bf16"]
+CERTIFIED = gpu_report.KERNEL_CERTIFIED
 
 
 def test_busy_and_span_count_overlaps_once():
@@ -111,6 +113,10 @@ def test_memory_per_call_counts_the_arms_head_and_xla_scratch(small_problem):
     # The reference widens the int8 W2 to float32 for its product: at least that much scratch.
     assert int8["scratch_bytes"] >= 1024 * 256 * 4 > 0
     assert gpu_measure.arm_head("kernel-int8", heads) is heads[1] and gpu_measure.arm_head("kernel-bf16", heads) is heads[0]
+    assert isinstance(gpu_measure.arm_head("kernel-certified", heads), jm.CertifiedMarkovHead)
+    certified = gpu_measure.memory_per_call("reference-int8", "greedy", heads[2], base, anchor, {})
+    # the int8 layouts plus the certificate: the unquantized W2 (bf16) and a residual norm a row
+    assert certified["persistent_bytes"] == int8["persistent_bytes"] + 1024 * 256 * 2 + 1024 * 4
 
 
 def measured(vocab, steps, batch, mode, arm, us, loop=None, **extra):
@@ -124,8 +130,10 @@ def measured(vocab, steps, batch, mode, arm, us, loop=None, **extra):
 SYNTHETIC = [
     measured(151936, 7, 1, "greedy", EAGER, 250.0, loop=300.0),
     measured(151936, 7, 1, "greedy", KERNEL, 50.0, loop=70.0),       # faster; the loop is not
+    measured(151936, 7, 1, "greedy", CERTIFIED, 56.0),                # 1.12x the int8 kernel
     measured(151936, 7, 1, "probabilistic", EAGER, 300.0),
     measured(151936, 7, 1, "probabilistic", KERNEL, 60.0, loop=75.0),  # faster, in the loop too
+    measured(151936, 7, 1, "probabilistic", CERTIFIED, 72.0),            # 1.2x
     measured(151936, 7, 1, "greedy-t0", KERNEL, 55.0),
     measured(151936, 7, 16, "greedy", KERNEL, 90.0),                  # slower, no loop time
     measured(151936, 7, 16, "probabilistic", KERNEL, 126.0),
@@ -194,6 +202,8 @@ def test_table_files_hold_every_row_and_the_summaries(tmp_path):
     assert "- probabilistic: the int8 kernel is faster on 2 of 3 published cells in device time, in the decode loop on 2 of 2" in text
     assert "| 151936 | 7 | 1 | 50.0 | 60.0 | 1.20 | 1.3 | yes | 55.0 | 1.10 |" in text
     assert "| 151936 | 7 | 16 | 90.0 | 126.0 | 1.40 | 1.3 | no |  |  |" in text
+    assert "| 151936 | 7 | 1 | greedy | 50.0 | 56.0 | 1.120 | yes |" in text
+    assert "| 151936 | 7 | 1 | probabilistic | 60.0 | 72.0 | 1.200 | no |" in text
     # us/call, wall, decode loop (default flags, command buffers off), ..., published, head MB, scratch MB
     line = next(line for line in text.splitlines() if line.startswith("| 151936 | 7 | 1 | greedy | kernel (int8) |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
@@ -243,8 +253,22 @@ def test_the_child_process_gets_the_same_selection():
     assert parsed.rows == [(151936, 7, 1), (129280, 5, 64)] and parsed.modes == ["greedy", "greedy-t0"]
     assert parsed.arms == ["kernel-int8"] and parsed.repeats == 5 and parsed.iterations == 8
     assert gpu_timing.parser().parse_args(gpu_timing.selection_args([(1, 2, 3)], ["greedy"], None, 5, 8)).arms is None
-    assert gpu_timing.mode_arms("greedy-t0") == ("kernel-int8",) and len(gpu_timing.mode_arms("greedy")) == 4
+    assert gpu_timing.mode_arms("greedy-t0") == ("kernel-int8",) and len(gpu_timing.mode_arms("greedy")) == 5
     assert gpu_timing.mode_arms("greedy-t0", ["eager"]) == ("eager",)
+
+
+def test_a_row_has_no_arm_whose_head_the_kernel_refuses(monkeypatch):
+    from jax_markov import native
+
+    if not native.plan_available():
+        pytest.skip("the launch plan module is not built")
+    monkeypatch.setattr(native, "_markov_cuda", native._markov_cuda or object())  # the plan needs no GPU
+    lines = []
+    one = gpu_timing.mode_arms("greedy", None, (151936, 7, 1), lines.append)
+    many = gpu_timing.mode_arms("greedy", None, (151936, 7, 16), lines.append)
+    assert "kernel-certified" in one and "kernel-certified" not in many and many == tuple(
+        arm for arm in one if arm != "kernel-certified")
+    assert len(lines) == 1 and "no kernel-certified arm" in lines[0] and "B=16" in lines[0]
 
 
 def test_xla_flags_are_appended_once():
@@ -268,11 +292,14 @@ def test_a_run_without_device_activity_still_writes_its_table(tmp_path, monkeypa
         bandwidth, constants, rows = gpu_timing.run_gpu([(1024, 3, 2)], ["greedy", "greedy-t0"], None, repeats=2,
                                                          iterations=2, log=lambda s: None)
     assert constants is None and bandwidth == 1e11
-    assert [(r["mode"], r["arm"]) for r in rows] == [("greedy", a) for a in gpu_report.ARMS.values()] + [
+    arms = gpu_timing.mode_arms("greedy", None, (1024, 3, 2), log=lambda s: None)  # certified where the plan takes it
+    assert [(r["mode"], r["arm"]) for r in rows] == [("greedy", gpu_report.ARMS[a]) for a in arms] + [
         ("greedy-t0", KERNEL)]
     assert all(r["us"] > 0 and r["decode_loop_us"] is None and r["scratch_bytes"] >= 0 for r in rows)
     text = gpu_report.write_table(table_of(rows, jax_version=jax.__version__), tmp_path / "t")
-    assert text.count("| 1024 | 3 | 2 |") == 5 + 1  # five arm rows, one ratio row
+    certified = "kernel-certified" in arms
+    # an arm row each, a sampled/zero-temperature ratio row, a certified/int8 row where certified ran
+    assert text.count("| 1024 | 3 | 2 |") == len(arms) + 1 + 1 + certified
 
 
 def test_the_child_process_for_command_buffers_off_runs_and_answers():
