@@ -1,5 +1,6 @@
 """Speculative decoding at the published model's shape: output tokens per second of the whole decode
-loop with the eager walk, the int8 kernel and the bf16-head kernel, beside the target alone.
+loop with the eager walk, the int8 kernel, the certified int8 kernel and the bf16-head kernel, beside
+the target alone.
 
     python3 examples/speculative_decoding_gpu.py          # every setting: examples/results/speculative_decoding_<gpu>.*
     python3 examples/speculative_decoding_gpu.py --settings 7,1,greedy 7,1,sampled --out OUT/h100
@@ -16,8 +17,10 @@ with blocks of K = 7 and 16 drafts.
 A setting is (K, B, mode): B requests (fixed random prompts), greedy or sampled at T = 1, 512 new
 tokens each. Its arms are jitted decode loops (`jax_markov.speculative`): the target alone, and the
 drafter with the eager walk (the pure-JAX reference walking the bf16 head, impl="reference"), the
-int8 kernel (the int8 head, impl="ffi") and the bf16-head kernel (the bf16 head, impl="ffi"; off a
-GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft logits. A run of an arm decodes
+int8 kernel (the int8 head, impl="ffi"), the certified int8 kernel (`quantize(head, certified=True)`:
+greedy drafts are the bf16 head's; at the batches the CUDA launch plan takes) and the bf16-head kernel
+(the bf16 head, impl="ffi"; off a GPU, "ffi" is the CPU custom call). Sampled walks return bf16 draft
+logits. A run of an arm decodes
 the B requests, or at B = 1 4 requests one after another (`rounds_of`: one request's acceptance length
 says little: a sampled arm's text parts from the others' at its first different draft, and a greedy
 text's acceptance moves with the near-ties that each compilation's GEMMs round their own way). Each arm is run once
@@ -113,8 +116,27 @@ def sampling_arguments(cfg, mode: str, batch: int) -> dict:
                 key=jax.random.split(jax.random.key(cfg["seed"] + 4), batch))
 
 
+ARM_HEADS = {"eager": "bf16 head", "kernel-bf16": "bf16 head", "kernel-int8": "int8 head",
+             "kernel-certified": "certified int8 head"}
+
+
 def arm_drafter(drafters: dict, arm: str):
-    return drafters["int8 head" if "int8" in arm else "bf16 head"]
+    return drafters[ARM_HEADS[arm]]
+
+
+def setting_arms(arms, cfg, setting, log=print) -> tuple:
+    """The arms that run at a setting: `arms` less those whose head the CUDA kernel cannot walk at its
+    batch (the certified int8 head's beyond the plan's few requests; logged)."""
+    block_size, batch, mode = setting
+    chosen = []
+    for arm in arms:
+        why = gpu_measure.kernel_refuses(arm, "probabilistic" if mode == "sampled" else "greedy", cfg["vocab"],
+                                         block_size, batch)
+        if why:
+            log(f"  K={block_size} B={batch} {mode}: no {arm} arm ({why})")
+        else:
+            chosen.append(arm)
+    return tuple(chosen)
 
 
 def rounds_of(cfg, batch: int) -> int:
@@ -327,7 +349,8 @@ def programs(target, structures: dict, cfg, settings, arms) -> dict:
     for setting in settings:
         block_size, batch, mode = setting
         drafters = structures[block_size][1]
-        for arm, run in decode_runs(target, drafters, cfg, batch, mode, arms).items():
+        arms_here = setting_arms(arms, cfg, setting, log=lambda line: None)
+        for arm, run in decode_runs(target, drafters, cfg, batch, mode, arms_here).items():
             out[program_key(setting, arm)] = functools.partial(run, lower=True)
         if mode == "greedy":
             out[("reference", block_size, batch)] = functools.partial(reference_run(target, cfg, setting), lower=True)
@@ -335,7 +358,7 @@ def programs(target, structures: dict, cfg, settings, arms) -> dict:
             tokens = jnp.zeros((requests, cfg["prompt_len"] + cfg["new_tokens"]), jnp.int32)
             out[("logits_at", requests)] = functools.partial(logits_at.lower, target, tokens,
                                                              jnp.ones(requests, jnp.int32))
-        for arm in arms:
+        for arm in arms_here:
             out[("walk", arm, *setting)] = functools.partial(gpu_measure.walk_program,
                                                              *walk_arguments(drafters, cfg, setting, arm))
     return out
@@ -504,9 +527,9 @@ def main(argv=None) -> int:
         for i, setting in enumerate(args.settings):
             started = time.perf_counter()
             log(f"setting K={setting[0]} B={setting[1]} {setting[2]}")
-            report["rows"] += measure_setting(target, drafters[setting[0]], cfg, setting, args.arms, args.repeats,
-                                              log, {arm: walks[(arm, *setting)] for arm in args.arms},
-                                              target_timings)
+            arms = setting_arms(args.arms, cfg, setting, log)
+            report["rows"] += measure_setting(target, drafters[setting[0]], cfg, setting, arms, args.repeats,
+                                              log, {arm: walks[(arm, *setting)] for arm in arms}, target_timings)
             write_report(report, out)
             left, pace = len(args.settings) - i - 1, (time.perf_counter() - runs_started) / (i + 1)
             log(f"setting done in {time.perf_counter() - started:.1f} s"

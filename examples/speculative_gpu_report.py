@@ -13,7 +13,9 @@ from benchmarks.gpu_report import ARMS, write_outputs
 from examples import decode_profile
 
 QWEN3_4B_VOCAB = 151936  # the published target's vocabulary: a report at it is at the published shape
-WALK_ARMS = ("eager", "kernel-int8", "kernel-bf16")  # the drafter's arms, named as benchmarks/gpu_report.ARMS
+# The drafter's arms, named as benchmarks/gpu_report.ARMS; the certified int8 head's where the CUDA plan
+# takes the batch.
+WALK_ARMS = ("eager", "kernel-int8", "kernel-certified", "kernel-bf16")
 ARM_NAMES = dict(target="target alone", **{arm: ARMS[arm] for arm in WALK_ARMS})
 # The published kernel of this design end to end on Qwen3-4B, one H100: output tokens/s of the int8
 # kernel over the eager walk (vLLM's sequential loop on the bf16 head), in percent, by (K, B, mode).
@@ -99,7 +101,24 @@ def summary(rows: list[dict]) -> list[str]:
     if plain:
         lines.append(f"- the timed target alone (one query row per forward) gave the reference's text at "
                      f"{sum(not r['divergences'] for r in plain)} of {len(plain)} greedy settings")
+    certified = certified_acceptance(rows)
+    if certified:
+        lines.append(f"- the certified int8 head's greedy drafts accepted as the bf16 head's (kernel), draft for "
+                     f"draft: {sum(certified.values())} of {len(certified)} greedy settings")
     return lines
+
+
+def certified_acceptance(rows: list[dict]) -> dict:
+    """{(K, B): whether the certified int8 head's accepted drafts equal the bf16-head kernel's} at every
+    greedy setting that has both arms: its greedy drafts are the unquantized head's, so acceptance
+    must match exactly (the drafter's base logits permitting: each arm is a program of its own)."""
+    by_key = {row_key(r): r for r in rows}
+    out = {}
+    for r in rows:
+        bf16 = by_key.get((*row_key(r)[:3], "kernel-bf16"))
+        if r["arm"] == "kernel-certified" and r["mode"] == "greedy" and bf16 is not None:
+            out[row_key(r)[:2]] = (r["accepted"], r["drafted"]) == (bf16["accepted"], bf16["drafted"])
+    return out
 
 
 def rounds_text(cfg: dict) -> str:

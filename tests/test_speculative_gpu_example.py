@@ -134,7 +134,9 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
     assert {gpu_report.row_key(r) for r in report["rows"]} == {
         (3, b, mode, arm) for b, mode in ((1, "greedy"), (2, "sampled")) for arm in ("target", *gpu_report.WALK_ARMS)}
     v, r = cfg["vocab"], cfg["markov_rank"]
-    head_bytes = {"eager": 2 * v * r * 2, "kernel-bf16": 2 * v * r * 2, "kernel-int8": v * r * 2 + v * r + v * 4}
+    int8 = v * r * 2 + v * r + v * 4  # W1 bf16, W2 int8, scales
+    head_bytes = {"eager": 2 * v * r * 2, "kernel-bf16": 2 * v * r * 2, "kernel-int8": int8,
+                  "kernel-certified": int8 + v * r * 2 + v * 4}  # and the certificate: W2 bf16, a norm a row
     for row in report["rows"]:
         assert len(row["seconds"]) == 2 and row["tokens_per_s"] > 0
         assert row["tokens_per_s_range"][0] <= row["tokens_per_s"] <= row["tokens_per_s_range"][1]
@@ -163,9 +165,10 @@ def test_a_tiny_run_measures_every_arm_and_keeps_the_targets_greedy_text(tiny_ru
         assert row["head_bytes"] == head_bytes[row["arm"]]
         assert row["walk_scratch_bytes"] >= 0 and row["drafter_bytes"] > 0 and row["context_bytes"] > 0
     text = out.with_suffix(".md").read_text()
-    assert "token for token: 3 of 3 greedy drafter arms" in text
-    assert "equal to the separately compiled reference's text: 3 of 3" in text
-    assert text.count("identical to the target's greedy text") == 3
+    assert "token for token: 4 of 4 greedy drafter arms" in text
+    assert "equal to the separately compiled reference's text: 4 of 4" in text
+    assert text.count("identical to the target's greedy text") == 4
+    assert "the certified int8 head's greedy drafts accepted as the bf16 head's (kernel), draft for draft: 1 of 1" in text
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -174,13 +177,13 @@ def test_a_run_compiles_its_programs_before_the_runs_and_none_of_them_during_the
     _, _, report = tiny_run
     run = report["runs"][0]
     # the fit's (the target's hidden states, the mask rows at K = 3), per setting the target alone, the
-    # 3 drafter arms and their 3 walks, the greedy setting's reference and the check's forward
-    assert run["compile"]["programs"] == 2 + 2 * (1 + 3 + 3) + 2
+    # 4 drafter arms and their 4 walks, the greedy setting's reference and the check's forward
+    assert run["compile"]["programs"] == 2 + 2 * (1 + 4 + 4) + 2
     assert run["compile"]["wall_s"] >= run["compile"]["longest_s"] > 0
     programs = {"jit(_speculative)", "jit(_autoregressive)", "jit(logits_at)", "jit(<lambda>)", "jit(final_hidden)",
                 "jit(mask_hidden)"}
     assert not programs & set(run["compiled_during_runs"])  # eager ops' small programs only
-    assert "compiled 18 programs in" in gpu_report.markdown(report)
+    assert "compiled 22 programs in" in gpu_report.markdown(report)
 
 
 def test_the_greedy_check_finds_a_difference_and_the_targets_margin_there():
@@ -267,3 +270,25 @@ def test_xla_flags_are_added_before_the_backend_starts_and_never_twice(monkeypat
     assert gpu_example.set_xla_flags(False, command_buffers=True).split() == [
         f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / 'xla_autotune'}"]
     assert (tmp_path / "xla_autotune").is_dir()
+
+
+def test_the_certified_arm_runs_where_the_plan_takes_its_batch_and_must_accept_as_the_bf16_head(monkeypatch):
+    from jax_markov import native
+
+    if not native.plan_available():
+        pytest.skip("the launch plan module is not built")
+    monkeypatch.setattr(native, "_markov_cuda", native._markov_cuda or object())  # the plan needs no GPU
+    cfg, lines = gpu_example.QWEN3_4B, []
+    arms = gpu_report.WALK_ARMS
+    assert gpu_example.setting_arms(arms, cfg, (7, 1, "greedy"), lines.append) == arms and not lines
+    assert gpu_example.setting_arms(arms, cfg, (7, 16, "sampled"), lines.append) == tuple(
+        arm for arm in arms if arm != "kernel-certified")
+    assert len(lines) == 1 and lines[0].startswith("  K=7 B=16 sampled: no kernel-certified arm (")
+
+    def row(arm, accepted, mode="greedy", batch=1):
+        return dict(block_size=7, batch=batch, mode=mode, arm=arm, accepted=accepted, drafted=700)
+
+    rows = [row("kernel-bf16", 400), row("kernel-certified", 400), row("kernel-int8", 380),
+            row("kernel-bf16", 401, batch=2), row("kernel-certified", 399, batch=2),
+            row("kernel-bf16", 300, "sampled"), row("kernel-certified", 250, "sampled")]  # sampled: int8 semantics
+    assert gpu_report.certified_acceptance(rows) == {(7, 1): True, (7, 2): False}
