@@ -308,6 +308,8 @@ cudaError_t EnableCertifiedStats(int device) {
   void* mem = nullptr;
   if (err == cudaSuccess) err = cudaMalloc(&mem, walk::kCertStats * sizeof(unsigned long long));
   if (err == cudaSuccess) err = cudaMemset(mem, 0, walk::kCertStats * sizeof(unsigned long long));
+  // cudaMemset may return before the zeros land, and XLA's streams do not wait for the legacy stream.
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
   const cudaError_t restored = cudaSetDevice(current);
   if (err != cudaSuccess) return err;
   walk::cert_stats[device] = static_cast<unsigned long long*>(mem);
@@ -325,6 +327,7 @@ cudaError_t CertifiedStats(int device, bool reset, std::vector<unsigned long lon
   const size_t bytes = out->size() * sizeof(unsigned long long);
   if (err == cudaSuccess) err = cudaMemcpy(out->data(), buffer, bytes, cudaMemcpyDeviceToHost);
   if (err == cudaSuccess && reset) err = cudaMemset(buffer, 0, bytes);
+  if (err == cudaSuccess && reset) err = cudaDeviceSynchronize();  // before the next walk's counts
   const cudaError_t restored = cudaSetDevice(current);
   return err != cudaSuccess ? err : restored;
 }
