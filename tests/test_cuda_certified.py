@@ -239,6 +239,28 @@ def test_masked_padding_nan_d2t_and_logit_scale(rng, assert_tokens_match):
     assert got.tokens[1, 0] == min(c.int8[1], c.exact[1])
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_masked_vocabulary(rng, stats, assert_tokens_match, batch):
+    """Base logits of -inf outside one range of 4096 columns (a constrained decoder's mask): most CTAs
+    hold masked rows only, their best is -inf and every lane re-scores all its rows, which reads no
+    unquantized W2 row where the base is -inf; the tokens are the unquantized walk's."""
+    head, chead = random_heads(rng, V, w1_dtype=jnp.bfloat16)
+    base = np.full((batch, 7, V), -np.inf, np.float32)
+    lo = int(rng.integers(0, V - 4096))
+    base[:, :, lo:lo + 4096] = rng.standard_normal((batch, 7, 4096)) * 2.0
+    base = jnp.asarray(base, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
+    stats()
+    got = walk(base, anchor, chead)
+    counted = stats()
+    assert np.all((np.asarray(got.tokens) >= lo) & (np.asarray(got.tokens) < lo + 4096))
+    assert_unquantized_tokens(got, base, anchor, chead, {}, assert_tokens_match)
+    decisions = batch * 7
+    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
+    assert counted["lane_fallbacks"] > 0, counted  # the masked CTAs' lanes
+    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
+
+
 @pytest.mark.parametrize("element, w2_divisor, kw, uncertified", [
     (np.inf, 16.0, dict(), None),
     (np.inf, 16.0, dict(logit_scale=1e37), 6),

@@ -51,7 +51,8 @@ NB_MODULE(_markov_cuda, m) {
       "What the certified walks (CertifiedMarkovHead) on CUDA device `ordinal` re-scored since enable_certified_stats "
       "(or the last reset): greedy (request, step) decisions; those whose bound could not be used (non-finite e, a "
       "bias that could overflow, or unusable scales or residual norms: every row re-scored); columns re-scored "
-      "exactly in all and at most by one CTA for one decision; (decision, CTA) pairs that re-scored a column; lanes "
+      "exactly from their unquantized W2 rows (masked columns and the padding need none) in all and at most by one "
+      "CTA for one decision; (decision, CTA) pairs that re-scored a column; lanes "
       "that re-scored all their rows (three candidates or more, or no usable bound). Waits for the device.");
 #ifdef JAX_MARKOV_TIMELINE
   m.def(

@@ -168,26 +168,39 @@ __device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2
 }
 
 // Exact keys of up to kRescoreBatch columns of request r at step k (cols: warp-uniform rows, -1 or
-// rows past V for none), from lane L's e[8L .. 8L+7], all loads issued first; the largest, or 0.
+// rows past V for none), from lane L's e[8L .. 8L+7]; the largest, or 0. rows_read counts the
+// unquantized W2 rows read: columns at or past vocab_size are -inf without theirs, and so, with
+// SKIP_MASKED (only where the step's margin is finite, so that logit_scale (w . e) is finite), are
+// columns of -inf base (their base loaded first: a masked row costs that load alone); otherwise every
+// load is issued at once.
 template <class T>
+template <bool SKIP_MASKED>
 __device__ __forceinline__ unsigned long long WalkCta<T>::RescoreColumns(int r, int k, const float (&e)[8],
-                                                                         const int (&cols)[T::kRescoreBatch]) const {
+                                                                         const int (&cols)[T::kRescoreBatch],
+                                                                         int& rows_read) const {
   constexpr int N = T::kRescoreBatch;
   const int esize = ElementBytes(a.w2_exact_dtype), bsize = ElementBytes(a.base_dtype);
   uint4 raw[N][2];
   uint32_t base_bits[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    raw[j][0] = raw[j][1] = make_uint4(0, 0, 0, 0);
     base_bits[j] = 0;
     if (cols[j] >= 0 && cols[j] < vocab) {
+      const size_t at = (size_t(r) * steps + k) * vocab + cols[j];
+      base_bits[j] = bsize == 4 ? __ldg(static_cast<const uint32_t*>(a.base) + at)
+                                : __ldg(static_cast<const unsigned short*>(a.base) + at);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    raw[j][0] = raw[j][1] = make_uint4(0, 0, 0, 0);
+    const bool masked = SKIP_MASKED && BitsToFloat(base_bits[j], a.base_dtype) == -INFINITY;
+    if (cols[j] >= 0 && cols[j] < a.vocab_size && !masked) {
+      ++rows_read;
       const uint4* w =
           reinterpret_cast<const uint4*>(static_cast<const char*>(a.w2_exact) + size_t(cols[j]) * kRank * esize);
       raw[j][0] = __ldg(w + (esize == 4 ? 2 * lane : lane));
       if (esize == 4) raw[j][1] = __ldg(w + 2 * lane + 1);
-      const size_t at = (size_t(r) * steps + k) * vocab + cols[j];
-      base_bits[j] = bsize == 4 ? __ldg(static_cast<const uint32_t*>(a.base) + at)
-                                : __ldg(static_cast<const unsigned short*>(a.base) + at);
     }
   }
   unsigned long long best = 0;
@@ -257,12 +270,13 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
           cols[j] = __shfl_sync(0xffffffffu, second_row, __ffs(seconds) - 1);
           seconds &= seconds - 1;
         }
-        count += cols[j] >= 0 && cols[j] < vocab;
       }
-      const unsigned long long key = RescoreColumns(r, k, e, cols);
+      const unsigned long long key = RescoreColumns<false>(r, k, e, cols, count);
       best = key > best ? key : best;
     }
-    // Every row of the lanes that cannot tell: rows g and g + 8 of each of the warp's tiles.
+    // Every row of the lanes that cannot tell: rows g and g + 8 of each of the warp's tiles (those of
+    // -inf base without their W2 rows where the margin is finite: a CTA of masked rows stays cheap).
+    const bool masked_skip = cert_margin[r] < INFINITY;
     for (unsigned left = all_lanes; left != 0; left &= left - 1) {
       const int lane_g = (__ffs(left) - 1) >> 2, rows = 2 * tiles.total();
       for (int m0 = 0; m0 < rows; m0 += N) {
@@ -272,9 +286,9 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
           const int m = m0 + j, n = m >> 1;
           const int tile = n < tiles.n_resident ? tiles.Local(false, n) : tiles.Local(true, n - tiles.n_resident);
           cols[j] = m < rows ? RowOf(tile) + lane_g + 8 * (m & 1) : -1;
-          count += cols[j] >= 0 && cols[j] < vocab;
         }
-        const unsigned long long key = RescoreColumns(r, k, e, cols);
+        const unsigned long long key = masked_skip ? RescoreColumns<true>(r, k, e, cols, count)
+                                                   : RescoreColumns<false>(r, k, e, cols, count);
         best = key > best ? key : best;
       }
     }

@@ -114,8 +114,10 @@ struct WalkCta {
   __device__ __forceinline__ void StartCertificate();
   __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2]);
   __device__ __forceinline__ void Certify(int k, int i, unsigned long long own, unsigned long long cur);
+  template <bool SKIP_MASKED>
   __device__ __forceinline__ unsigned long long RescoreColumns(int r, int k, const float (&e)[8],
-                                                               const int (&cols)[T::kRescoreBatch]) const;
+                                                               const int (&cols)[T::kRescoreBatch],
+                                                               int& rows_read) const;
   __device__ __forceinline__ void AdoptExactKeys();
 
   // The epilogues (epilogue.cuh): a tile's l, score and key for each owned request.
