@@ -14,7 +14,9 @@ Phases of step k, per CTA (medians over CTAs, in us):
   wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier (batches up to
            16 wait for the keys themselves, in `e ready`)
   e ready  the chosen token's key, its W1 row and the B fragments built from it
-  score    the CTA's tiles scored and reduced to one key per request
+  score    the CTA's tiles scored and reduced to one key per request; of it, `after scoring` is
+           from the CTA's last warp done with its tiles to the end of the reduction (a certified
+           walk's re-scoring of its candidates and the CTA barrier)
   publish  the keys published and the arrival counted
 and across CTAs: `arrival spread` (last CTA's arrival minus the median arrival) and `release`
 (the last arrival to the median CTA's end of wait at the next step). With the direct exchange only
@@ -73,7 +75,9 @@ def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
         first = np.where(valid, w, np.iinfo(np.int64).max).min(axis=1)
         last = np.where(valid, w, 0).max(axis=1)
         warp_spread = np.median(last - first)
+        after_scoring = np.median(s[:, 4] - last)
         rows.append(dict(zip(COLUMNS, map(us, durations)), step=k, warp_spread=us(warp_spread),
+                         after_scoring=us(after_scoring),
                          arrival_spread=us(spread), release=us(release), total=us(step_len)))
     end = np.where(stamped, phases, start).max()
     totals = dict(kernel_us=us(end - start),
@@ -84,7 +88,8 @@ def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="*", default=["151936,7,1,greedy"],
-                   help="V,K,B,mode[,head] with mode greedy|probabilistic and head int8 (default) or bf16")
+                   help="V,K,B,mode[,head] as benchmarks/profile_kernel.py takes them (head int8, the default, "
+                   "bf16 or certified)")
     p.add_argument("--out", default=None, help="output prefix: writes <out>.md and <out>.json")
     p.add_argument("--render", metavar="JSON", help="only write the .md of a report that --out wrote")
     args = p.parse_args(argv)
@@ -129,10 +134,12 @@ def render(report: dict) -> str:
                   f"batches over 64 columns: the last launch)", "",
                   f"kernel {c['kernel_us']:.1f} us from the first CTA's start to the last CTA's end; "
                   f"CTA start skew {c['launch_skew_us']:.2f} us", "",
-                  "| step | " + " | ".join(COLUMNS) + " | warp spread (score) | arrival spread | release | step |",
-                  "|---|" + "---|" * (len(COLUMNS) + 4)]
+                  "| step | " + " | ".join(COLUMNS) +
+                  " | warp spread (score) | after scoring | arrival spread | release | step |",
+                  "|---|" + "---|" * (len(COLUMNS) + 5)]
         lines += [f"| {r['step']} | " + " | ".join(f"{r[col]:.2f}" for col in COLUMNS) +
-                  f" | {r['warp_spread']:.2f} | {r['arrival_spread']:.2f} | {r['release']:.2f} | {r['total']:.2f} |"
+                  f" | {r['warp_spread']:.2f} | {r.get('after_scoring', float('nan')):.2f} | {r['arrival_spread']:.2f}"
+                  f" | {r['release']:.2f} | {r['total']:.2f} |"
                   for r in c["steps_us"]] + [""]
     return "\n".join(lines) + "\n"
 
