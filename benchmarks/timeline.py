@@ -41,18 +41,17 @@ if not __package__:  # run as `python3 benchmarks/timeline.py`: `benchmarks` imp
 from benchmarks import profile_kernel  # noqa: E402
 from jax_markov import native  # noqa: E402
 
-PHASES = 6  # walk_kernel.cuh: kPhases
-MAX_STEPS = 16  # kMaxSteps
-MAX_WARPS = 16  # kMaxWarps
 COLUMNS = ("issue", "wait", "e ready", "score", "publish")
 
 
 def read_stamps():
-    ctas, words = native._markov_cuda.read_timeline()
-    words = np.asarray(words, np.int64)
-    phase_words = ctas * (MAX_STEPS + 1) * PHASES
-    phases = words[:phase_words].reshape(ctas, MAX_STEPS + 1, PHASES)
-    warps = words[phase_words:].reshape(ctas, MAX_STEPS, MAX_WARPS)
+    """The latest launch's stamps: phases [ctas, max steps + 1, phases] and warps [ctas, max steps, max
+    warps], in the layout the module states."""
+    t = native._markov_cuda.read_timeline()
+    words = np.asarray(t["stamps"], np.int64)
+    phase_words = t["ctas"] * (t["steps"] + 1) * t["phases"]
+    phases = words[:phase_words].reshape(t["ctas"], t["steps"] + 1, t["phases"])
+    warps = words[phase_words:].reshape(t["ctas"], t["steps"], t["warps"])
     return phases, warps
 
 

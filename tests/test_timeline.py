@@ -5,18 +5,19 @@ import pytest
 from benchmarks import timeline
 
 CTAS, STEPS, WARPS = 3, 2, 4
+MAX_STEPS, PHASES, MAX_WARPS = 16, 6, 16  # the timeline build's layout (read_timeline states it)
 
 
 def stamps(rng):
     """Phases and warp stamps (ns) of a 2-step walk of 3 CTAs: each phase and the per-warp scoring times
     drawn at random, the warps of a CTA done between the start of its score phase and the end of its
     reduction; unstamped words (later steps, absent warps) are 0, as the kernel leaves them."""
-    phases = np.zeros((CTAS, timeline.MAX_STEPS + 1, timeline.PHASES), np.int64)
-    warps = np.zeros((CTAS, timeline.MAX_STEPS, timeline.MAX_WARPS), np.int64)
+    phases = np.zeros((CTAS, MAX_STEPS + 1, PHASES), np.int64)
+    warps = np.zeros((CTAS, MAX_STEPS, MAX_WARPS), np.int64)
     for c in range(CTAS):
         t = 1_000_000 + int(rng.integers(0, 500))
         for k in range(STEPS + 1):
-            for p in range(timeline.PHASES if k < STEPS else 4):
+            for p in range(PHASES if k < STEPS else 4):
                 t += int(rng.integers(100, 3000))
                 phases[c, k, p] = t
             if k < STEPS:

@@ -64,8 +64,14 @@ NB_MODULE(_markov_cuda, m) {
         if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
         nb::list stamps;
         for (unsigned long long w : words) stamps.append(w);
-        return nb::make_tuple(ctas, stamps);
+        nb::dict d;
+        d["ctas"] = ctas;
+        d["steps"] = jax_markov::walk::kMaxSteps;  // a CTA's phase stamps: [steps + 1][phases]
+        d["phases"] = jax_markov::walk::kPhases;
+        d["warps"] = jax_markov::walk::kMaxWarps;  // then a warp's stamp a CTA and step: [ctas][steps][warps]
+        d["stamps"] = stamps;
+        return d;
       },
-      "Timeline builds only: (grid size, the latest launch's %globaltimer stamps), see benchmarks/timeline.py.");
+      "Timeline builds only: the latest launch's %globaltimer stamps and their layout, see benchmarks/timeline.py.");
 #endif
 }
