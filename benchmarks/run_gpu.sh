@@ -95,7 +95,8 @@ for part in "${parts[@]}"; do
       PYTHONPATH=/tmp/jm_tlpkg python3 benchmarks/timeline.py --out "$out/${gpu}_timeline" \
         151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,16,probabilistic 151936,7,64,greedy \
         151936,7,64,probabilistic \
-        151936,7,1,greedy,bf16 151936,7,16,greedy,bf16 > /tmp/jm_timeline_run.log 2>&1 ||
+        151936,7,1,greedy,bf16 151936,7,16,greedy,bf16 151936,7,1,greedy,certified 151936,7,2,greedy,certified \
+        > /tmp/jm_timeline_run.log 2>&1 ||
         tail -20 /tmp/jm_timeline_run.log
       ;;
     table)
