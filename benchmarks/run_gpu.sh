@@ -8,7 +8,7 @@
 # timeline part also builds the timeline variant), and names every output after the GPU (<gpu> is
 # h100 or h200: benchmarks/gpu_timing.py's results_name of nvidia-smi's name). Into OUT_DIR:
 #   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_certified.py, test_design_floor.py and
-#               test_command_buffers.py, three shards side by side
+#               test_command_buffers.py, six shards side by side
 #   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes
 #   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
 #               options after --; the whole table takes longer than one command may, so give each call a
@@ -55,12 +55,22 @@ build() {  # build DIR [cmake options]: every module of the tree, from scratch (
   cmake -S . -B "$dir" -G Ninja -DPython_EXECUTABLE="$py" -DCMAKE_BUILD_TYPE=Release "$@" > "$dir.log" 2>&1 &&
     ninja -C "$dir" >> "$dir.log" 2>&1 || { tail -30 "$dir.log"; return 1; }
 }
-build /tmp/jm_build -DJAX_MARKOV_PROBES=ON & plain=$!
-timeline=
-if [[ " ${parts[*]} " == *" timeline "* ]]; then
-  build /tmp/jm_timeline -DJAX_MARKOV_TIMELINE=ON & timeline=$!
+# JAX_MARKOV_PREBUILT=DIR takes the modules from DIR instead of building them: DIR/_markov_*.so built
+# from this tree with the probes, and DIR/timeline/_markov_cuda*.so with the timeline (each built for
+# this machine's Python; the device tool's calls carry them to save the build's two minutes).
+prebuilt=${JAX_MARKOV_PREBUILT:-}
+plain= timeline=
+if [[ -n $prebuilt ]]; then
+  rm -rf /tmp/jm_build /tmp/jm_timeline && mkdir -p /tmp/jm_build /tmp/jm_timeline
+  cp "$prebuilt"/_markov_*.so /tmp/jm_build/ || exit 1
+  cp "$prebuilt"/timeline/_markov_cuda*.so /tmp/jm_timeline/ 2> /dev/null
+else
+  build /tmp/jm_build -DJAX_MARKOV_PROBES=ON & plain=$!
+  if [[ " ${parts[*]} " == *" timeline "* ]]; then
+    build /tmp/jm_timeline -DJAX_MARKOV_TIMELINE=ON & timeline=$!
+  fi
+  wait $plain || exit 1
 fi
-wait $plain || exit 1
 cp /tmp/jm_build/_markov_*.so jax_markov/
 export PYTHONPATH=$PWD
 commit=${JAX_MARKOV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -74,20 +84,23 @@ header() {
 for part in "${parts[@]}"; do
   case $part in
     tests)
-      # Three shards side by side; the third is whatever the first two leave, so that every GPU test
-      # runs exactly once (tests/test_run_gpu_shards.py).
+      # Six processes side by side, each every sixth test in collection order (tests/conftest.py's
+      # JAX_MARKOV_TEST_SHARD), so that every GPU test runs exactly once (tests/test_run_gpu_shards.py).
       files="tests/test_cuda.py tests/test_cuda_certified.py tests/test_design_floor.py tests/test_command_buffers.py"
-      k1="(benchmark_shapes and not bf16) or sampled or transposed"
-      k2="float_head or bf16 or large_batches or beyond_one_launch"
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k1" > /tmp/jm_t1.log 2>&1 & t1=$!
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "$k2" > /tmp/jm_t2.log 2>&1 & t2=$!
-      python3 -m pytest -q -p no:cacheprovider --durations=12 $files -k "not ($k1) and not ($k2)" > /tmp/jm_t3.log 2>&1 & t3=$!
-      wait $t1 $t2 $t3  # not the timeline build, which the timeline part waits for
-      { header tests; cat /tmp/jm_t1.log /tmp/jm_t2.log /tmp/jm_t3.log; } > "$out/${gpu}_test_cuda.log"
+      shards=6
+      pids=()
+      for ((i = 0; i < shards; i++)); do
+        JAX_MARKOV_TEST_SHARD=$i/$shards python3 -m pytest -q -p no:cacheprovider --durations=12 $files \
+          > /tmp/jm_t$i.log 2>&1 &
+        pids+=($!)
+      done
+      wait "${pids[@]}"  # not the timeline build, which the timeline part waits for
+      { header tests; for ((i = 0; i < shards; i++)); do cat /tmp/jm_t$i.log; done; } > "$out/${gpu}_test_cuda.log"
       grep -E "passed|failed" "$out/${gpu}_test_cuda.log"
       ;;
     timeline)
-      wait $timeline || continue
+      [[ -z $timeline ]] || wait $timeline || continue
+      ls /tmp/jm_timeline/_markov_cuda*.so > /dev/null 2>&1 || { echo "timeline: no timeline build" >&2; continue; }
       rm -rf /tmp/jm_tlpkg && mkdir -p /tmp/jm_tlpkg && cp -r jax_markov /tmp/jm_tlpkg/ &&
         cp /tmp/jm_timeline/_markov_cuda*.so /tmp/jm_tlpkg/jax_markov/
       # The script's own folder and then /tmp/jm_tlpkg come first on sys.path: its jax_markov is the
@@ -124,6 +137,8 @@ for part in "${parts[@]}"; do
       # 151936,2,1,greedy,bf16 in the bf16 head's kernel. One sanitizer run a shape here: memcheck
       # once crashed (a segmentation fault, no error reported) on the third in one process.
       streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,1,greedy,bf16 151936,2,1,greedy,certified"
+      # memcheck and racecheck side by side (each in its own processes).
+      pids=()
       for tool in memcheck racecheck; do
         {
           header $tool
@@ -131,9 +146,11 @@ for part in "${parts[@]}"; do
             compute-sanitizer --tool $tool python3 benchmarks/profile_kernel.py $shapes 2>&1 ||
               echo "# compute-sanitizer exited with status $? on $shapes"
           done
-        } > "$out/${gpu}_$tool.log"
-        grep -E "SUMMARY|exited with" "$out/${gpu}_$tool.log"
+        } > "$out/${gpu}_$tool.log" &
+        pids+=($!)
       done
+      wait "${pids[@]}"
+      grep -E "SUMMARY|exited with" "$out/${gpu}_memcheck.log" "$out/${gpu}_racecheck.log"
       ;;
   esac
 done

@@ -151,6 +151,19 @@ def _sampled_scores(logits, temperature, key, position):
     return jnp.where(sampled[:, None, None], scores, logits)
 
 
+def pytest_collection_modifyitems(config, items):
+    """JAX_MARKOV_TEST_SHARD="i/n" keeps every n-th test from the i-th (0-based) in collection order,
+    so that n processes side by side (benchmarks/run_gpu.sh's GPU tests) each run a similar mix."""
+    shard = os.environ.get("JAX_MARKOV_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"JAX_MARKOV_TEST_SHARD={shard!r}: want i/n with 0 <= i < n")
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
+    items[:] = items[index::count]
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240611)
