@@ -9,7 +9,8 @@ Make one source tree per version, carry them to the GPU (for the device tool: un
     python3 benchmarks/ab_kernels.py --out OUT --timer profiler --tokens "5003,3,17,greedy 151936,7,64,greedy" \
         --rounds 2 .dev/A .dev/B -- 151936,7,64,greedy
 
-Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/; every
+Each tree's CUDA and CPU modules are built into /tmp and copied into the tree's jax_markov/ (with
+--no-build, the trees hold modules built elsewhere, as run_gpu.sh's JAX_MARKOV_PREBUILT does); every
 round runs `benchmarks/profile_kernel.py CONFIG` of each tree under `ncu --metrics
 gpu__time_duration.sum`, one ncu process per config (3 chained walks, ceil(B / 64) launches per walk);
 with --timer profiler, one `profile_kernel.py --device-times CONFIGS` process per tree instead (the
@@ -194,6 +195,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timer", choices=("ncu", "profiler"), default="ncu",
                    help="ncu (a run a config) or profiler (jax.profiler's device activity, a run a tree)")
+    p.add_argument("--no-build", action="store_true", help="the trees' jax_markov/ hold their modules already "
+                   "(built elsewhere for this machine's Python)")
     p.add_argument("--tokens", default="", help="configs (space-separated) whose tokens and logits each tree "
                    "prints first, compared with the first tree's (tokens.md)")
     p.add_argument("trees", nargs="+", help="source trees, then -- and the configs V,K,B,mode[,head]")
@@ -208,8 +211,9 @@ def main() -> None:
         p.error(f"the trees' folders need distinct names, got {[names[t] for t in trees]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(len(trees)) as pool:
-        list(pool.map(build, trees))
+    if not args.no_build:
+        with ThreadPoolExecutor(len(trees)) as pool:
+            list(pool.map(build, trees))
     if args.tokens:
         token_configs = args.tokens.split()
         printed = {names[t]: parse_tokens(run_in_tree(t, [sys.executable, "benchmarks/profile_kernel.py", "--tokens",
