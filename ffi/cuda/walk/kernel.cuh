@@ -178,8 +178,10 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   resident = smem + parts.resident;
   // Opaque to the compiler, so that it keeps the address in a register: derived from `resident`, it
   // was recomputed from the shared window's base (S2UR SR_CgaCtaId and 9 more instructions) every tile.
-  resident_lane = SharedAddress(resident) + lane * 16;
-  asm volatile("" : "+r"(resident_lane));
+  if constexpr (!T::kWgmma) {
+    resident_lane = SharedAddress(resident) + lane * 16;
+    asm volatile("" : "+r"(resident_lane));
+  }
   if constexpr (CERT) {
     cert_exact = reinterpret_cast<unsigned long long*>(smem + parts.cert + CertSmem::kExact);
     cert_margin = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kMargin);

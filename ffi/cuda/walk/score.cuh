@@ -159,7 +159,8 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     // step 0 left it. Two copies of the operand code (no register copies of the prefetch registers),
     // one of the MMAs and one of the epilogue.
     float dot_a[kSlots], dot_b[kSlots];
-    const uint32_t slot = resident_lane + uint32_t(j) * T::kTileBytes;  // 16 bytes a lane, chunks 512 apart
+    const uint32_t slot = kWgmma ? 0 : resident_lane + uint32_t(j) * T::kTileBytes;  // 16 bytes a lane, chunks 512 apart
+    const uint4* slot_pointer = reinterpret_cast<const uint4*>(resident + size_t(j) * T::kTileBytes) + lane;
     // Calls use(rows_order, chunks) on the tile's chunks: the prefetch registers of a streamed tile, or
     // those of a resident one from shared memory (zeros for a warp past its tiles).
     const auto WithChunks = [&](const auto& use) {
@@ -169,7 +170,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
         uint4 q[kChunks];
         if (active) {
 #pragma unroll
-          for (int i = 0; i < kChunks; ++i) q[i] = LoadShared16(slot + i * 512);
+          for (int i = 0; i < kChunks; ++i) q[i] = kWgmma ? slot_pointer[i * 32] : LoadShared16(slot + i * 512);
         } else {
 #pragma unroll
           for (int i = 0; i < kChunks; ++i) q[i] = make_uint4(0, 0, 0, 0);
