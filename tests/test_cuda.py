@@ -164,7 +164,7 @@ def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
 # 9-16 greedy requests with no logits out, bf16 base logits and an even V score on e's int8 digit pairs as
 # the A operand (EREGS; check_parity's walk without logits): every W1 dtype (tokens only), V = 30010 (the
 # staged base logits, a last tile half outside V) and 100002 (not staged, tiles streamed), padding past
-# vocab_size, d2t and logit_scale. With logits out the same inputs take the fp16 columns.
+# vocab_size, d2t and logit_scale. With float32 logits out the same inputs take the fp16 columns.
 @pytest.mark.parametrize("batch,vocab,w1_dtype,extras", [(9, 30010, jnp.bfloat16, False), (13, 100002, jnp.float32, False),
                                                          (16, 30010, jnp.float16, True), (16, 100002, jnp.bfloat16, True)])
 def test_parity_e_operands(check_parity, batch, vocab, w1_dtype, extras):
@@ -176,6 +176,25 @@ def test_parity_e_operands(check_parity, batch, vocab, w1_dtype, extras):
         d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
         walk_kw = dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
     check_parity(base, anchor, head, kw, **walk_kw)
+
+
+# The same kernel with bf16 logits out (its bf16-logits form: each lane stores its two adjacent rows of a
+# request in one 4-byte store, and chooses from them rounded): base logits staged (V = 5000, 30010) and
+# not, tiles streamed (100002, 151936), every W1 dtype, padding past vocab_size, d2t and logit_scale.
+@pytest.mark.parametrize("batch,vocab,w1_dtype,extras", [(12, 5000, jnp.bfloat16, False), (9, 30010, jnp.float16, True),
+                                                         (13, 100002, jnp.float32, True), (16, 151936, jnp.bfloat16, False)])
+def test_parity_e_operands_bf16_logits(check_parity, batch, vocab, w1_dtype, extras):
+    rng = np.random.default_rng(batch * vocab)
+    v_target = vocab + 3000 if extras else vocab
+    base, anchor, head, kw = make_case(rng, batch, 5, vocab, v_target=v_target, w1_dtype=w1_dtype)
+    walk_kw = {}
+    if extras:
+        d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
+        walk_kw = dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
+    (plan,) = native.cuda_launch_plan(batch, 5, vocab, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
+                                      logits_dtype=jnp.bfloat16)
+    assert "eregs" in plan["name"] and "form=bf16_logits" in plan["name"], plan
+    check_parity(base, anchor, head, kw, logits_dtype=jnp.bfloat16, **walk_kw)
 
 
 # The unquantized walk: fp16 W2 scores with fp16 MMAs, bf16 W2 with bf16 MMAs (fp16 and fp32 W1 in

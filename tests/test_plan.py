@@ -131,6 +131,8 @@ def test_certified_head_takes_the_certified_digit_kernel(batch, sampling, logits
     (3, False, None, "walk<nt=1,split,pairs,w2=int8,threads=512,staged,form=any>"),
     (8, True, "bfloat16", "walk<nt=2,split,pairs,w2=int8,threads=512,form=any>"),
     (9, False, None, "walk<nt=2,eregs,w2=int8,threads=256,form=plain>"),
+    (12, False, "bfloat16", "walk<nt=2,eregs,w2=int8,threads=256,form=bf16_logits>"),
+    (16, False, "float32", "walk<nt=2,w2=int8,threads=512,form=any>"),
     (16, True, "bfloat16", "walk<nt=2,w2=int8,threads=512,form=any>"),
     (17, False, None, "transposed<base=bfloat16,packed,plain>"),
     (32, True, "bfloat16", "transposed<base=bfloat16,packed,sampled>"),

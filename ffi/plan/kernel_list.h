@@ -32,8 +32,10 @@
   /* 3-8 requests: e's digit pairs */                                                               \
   JAX_MARKOV_STAGED_PAIR(X, 1, true, false, kW2Int8, 512, kAnyForm, true, false, false)             \
   JAX_MARKOV_STAGED_PAIR(X, 2, true, false, kW2Int8, 512, kAnyForm, true, false, false)             \
-  /* 9-16 greedy requests, no logits out: e's digit pairs as the A operand (EREGS) */               \
+  /* 9-16 greedy requests, tokens only or bf16 logits out: e's digit pairs as the A operand */     \
+  /* (EREGS) */                                                                                     \
   JAX_MARKOV_STAGED_PAIR(X, 2, false, false, kW2Int8, 256, kPlainForm, false, true, false)          \
+  JAX_MARKOV_STAGED_PAIR(X, 2, false, false, kW2Int8, 256, kBF16LogitsForm, false, true, false)     \
   JAX_MARKOV_COLUMN_KERNELS(X, kW2Int8, 512)
 
 // 1-2 requests of a CertifiedMarkovHead (cuda/walk/certified.cuh): the digit kernel, tokens only or

@@ -109,7 +109,7 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   const bool stage = nt <= 2 && (call.vocab * esize) % 16 == 0 && stage_bytes <= kMaxStageBytes;
   p.noise_ahead = call.sampling && NoiseFitsAhead(batch, rows_per_cta);
   const bool logits = call.logits_dtype != kNone;
-  int form = eregs ? kPlainForm : kAnyForm;
+  int form = eregs ? (logits ? kBF16LogitsForm : kPlainForm) : kAnyForm;
   if (cert) {  // the certified instances: tokens only, or any other launch
     form = call.base_dtype == kBF16 && !logits && !call.sampling ? kPlainForm : kAnyForm;
   } else if (digits) {  // the digit kernel's instances for the known launch forms
@@ -126,7 +126,7 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   // Logits go out 8 rows of a request (16 or 32 bytes) a store where StagesLogits and V % 8 == 0 (so
   // that every store is aligned and a tile's rows past V are whole pieces).
   const bool f32_out = call.logits_dtype == kF32;
-  p.logits_staged = StagesLogits(nt, split, digits, f32_out) && logits && call.vocab % 8 == 0;
+  p.logits_staged = StagesLogits(nt, split, digits, f32_out) && logits && call.vocab % 8 == 0 && !eregs;
   const int fixed = WalkFixedBytes(nt, pairs, warps, rows_per_cta, stage ? stage_bytes : 0,
                                  p.noise_ahead ? batch * rows_per_cta * int(sizeof(float)) : 0,
                                  p.noise_tiles ? NoiseTileBytes(batch) : 0,
@@ -206,9 +206,12 @@ LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& p
     // whose elements the two digits keep but for the smallest ones. At 9-16, where the pairs' two
     // columns a request take NT = 4, the fp16 path below is faster, but for EREGS's walks.
     if (batch <= 8 && (!logits || call.w1_dtype == kBF16)) return PlanWalkKernel(call, batch, props, batch <= 4 ? 1 : 2, true, false, true);
-    // 9-16 requests walked greedily with no logits out, bf16 base logits and an even V (32-bit loads
-    // of row pairs): the digit pairs as e's A operand, in registers (EREGS).
-    if (batch > 8 && batch <= kDirectBatch && !call.sampling && !logits && call.base_dtype == kBF16 && call.vocab % 2 == 0) {
+    // 9-16 requests walked greedily with no logits or bf16 logits out, bf16 base logits and an even V
+    // (32-bit loads and stores of row pairs): the digit pairs as e's A operand, in registers (EREGS).
+    // Sampled rows take the fp16 columns: EREGS with the noise in its tile loop is slower
+    // (docs/kernel_design.md section 12).
+    if (batch > 8 && batch <= kDirectBatch && !call.sampling && (!logits || call.logits_dtype == kBF16) &&
+        call.base_dtype == kBF16 && call.vocab % 2 == 0) {
       return PlanWalkKernel(call, batch, props, 2, false, false, false, true);
     }
   }

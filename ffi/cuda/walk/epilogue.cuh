@@ -48,10 +48,12 @@ __device__ __forceinline__ void WalkCta<T>::PlainEpilogue(const TileScores<kSlot
   }
 }
 
-// EREGS's plain epilogue of the held tile: lane (g, t) folds rows 8h + 2t + c for requests 8m + g
-// (slot m), from bf16 base logits loaded in pairs.
+// EREGS's epilogue of the held tile at step k: lane (g, t) folds rows 8h + 2t + c for requests 8m + g
+// (slot m), from bf16 base logits loaded in pairs. The bf16-logits form (greedy rows only) folds the
+// rounded logits and stores both rows' in one 4-byte store (V is even, so the two rows are both below
+// V or both past it).
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::PairOperandEpilogue(int tile, const uint32_t (&base_a)[kSlots],
+__device__ __forceinline__ void WalkCta<T>::PairOperandEpilogue(int tile, int k, const uint32_t (&base_a)[kSlots],
                                                                 const uint32_t (&base_b)[kSlots], const int (&acc)[2][2][4],
                                                                 const float (&unscale_of)[kUnscaleSlots],
                                                                 unsigned long long (&best)[kSlots]) const {
@@ -62,11 +64,30 @@ __device__ __forceinline__ void WalkCta<T>::PairOperandEpilogue(int tile, const 
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       const uint32_t bits = h ? base_b[i] : base_a[i];
+      if constexpr (FORM == kPlainForm) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float dot = DigitPairToFloat(acc[i][h][c], acc[i][h][2 + c]);
-        const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(unscale_of, i);
-        FoldPlain(best[i], i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
+        for (int c = 0; c < 2; ++c) {
+          const float dot = DigitPairToFloat(acc[i][h][c], acc[i][h][2 + c]);
+          const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(unscale_of, i);
+          FoldPlain(best[i], i, row0 + 8 * h + 2 * t + c, BaseToFloat<kBF16>(c ? bits >> 16 : bits), bias);
+        }
+      } else {
+        const int row = row0 + 8 * h + 2 * t;  // of c = 0
+        const int owner = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
+        uint32_t pair = 0;  // both rows' bf16 logits, row + 1 high
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float dot = DigitPairToFloat(acc[i][h][c], acc[i][h][2 + c]);
+          const float bias = ((c ? scale.y : scale.x) * dot) * UnscaleOf(unscale_of, i);
+          const float logit = row + c < a.vocab_size ? BaseToFloat<kBF16>(c ? bits >> 16 : bits) + bias : -INFINITY;
+          const __nv_bfloat16 r = __float2bfloat16_rn(logit);
+          pair |= uint32_t(__bfloat16_as_ushort(r)) << (16 * c);
+          Keep(best[i], i, PackArgmaxKey(__bfloat162float(r), uint32_t(row + c)));
+        }
+        if (owner < batch && row < vocab) {
+          __stcs(reinterpret_cast<uint32_t*>(static_cast<unsigned short*>(a.logits) + (size_t(owner) * steps + k) * vocab + row),
+                 pair);
+        }
       }
     }
   }

@@ -133,7 +133,7 @@ struct WalkCta {
                                                   unsigned long long (&best)[kSlots]) const;
   __device__ __forceinline__ void Epilogue(const TileScores<kSlots>& s, int k, const float (&unscale_of)[kUnscaleSlots],
                                            unsigned long long (&best)[kSlots]) const;
-  __device__ __forceinline__ void PairOperandEpilogue(int tile, const uint32_t (&base_a)[kSlots], const uint32_t (&base_b)[kSlots],
+  __device__ __forceinline__ void PairOperandEpilogue(int tile, int k, const uint32_t (&base_a)[kSlots], const uint32_t (&base_b)[kSlots],
                                                       const int (&acc)[2][2][4], const float (&unscale_of)[kUnscaleSlots],
                                                       unsigned long long (&best)[kSlots]) const;
   __device__ __forceinline__ void StageLogits(int nt, const uint32_t (&stored)[2][2]) const;
@@ -338,7 +338,7 @@ __device__ __forceinline__ void WalkCta<T>::Reduce(int k, unsigned long long (&b
       const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
       best[i] = other > best[i] ? other : best[i];
     }
-    if (LogitsForm(FORM)) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
+    if (DIGITS && LogitsForm(FORM)) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
       const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
       best[i] = other > best[i] ? other : best[i];
     }

@@ -315,7 +315,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     if (!active) continue;
 
     if constexpr (EREGS) {
-      if (n > 0) PairOperandEpilogue(held_tile, held_a, held_b, held_acc, unscale_of, best);
+      if (n > 0) PairOperandEpilogue(held_tile, k, held_a, held_b, held_acc, unscale_of, best);
       held_tile = j;
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
@@ -341,7 +341,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
     }
   }
   if constexpr (EREGS) {
-    if (tiles.total() > 0) PairOperandEpilogue(held_tile, held_a, held_b, held_acc, unscale_of, best);
+    if (tiles.total() > 0) PairOperandEpilogue(held_tile, k, held_a, held_b, held_acc, unscale_of, best);
   }
 }
 

@@ -12,7 +12,7 @@ namespace walk {
 // lo parts of e). DIGITS: 1-2 requests as e's three int8 digits (int8 W2). W2: W2Format. THREADS: the
 // CTA's threads. STAGED: each step's base logits staged in shared memory. FORM: LaunchForm. PAIRS: 3-8
 // requests as e's two int8 digits in B. EREGS: 9-16 greedy requests, e's two digits as the A operand
-// held in registers. CERT: a CertifiedMarkovHead's walk (certified.cuh): greedy rows re-score their
+// held in registers (tokens only, or bf16 logits out). CERT: a CertifiedMarkovHead's walk (certified.cuh): greedy rows re-score their
 // candidates exactly from the unquantized W2; the digit kernel's plain and any-form instances only.
 template <int NT_, bool SPLIT_, bool DIGITS_, int W2_, int THREADS_, bool STAGED_, int FORM_, bool PAIRS_, bool EREGS_,
           bool CERT_ = false>
@@ -24,8 +24,9 @@ struct WalkTraits {
   static_assert(FORM == kAnyForm || DIGITS || EREGS, "only the digit kernel has instances for the known launch forms");
   // A known launch form's base logits are bf16 (the plan: walk_plan.cc).
   static constexpr bool kBF16Base = FORM != kAnyForm;
-  static_assert(!EREGS || (NT == 2 && !SPLIT && !DIGITS && !PAIRS && W2 == kW2Int8 && FORM == kPlainForm),
-                "e as the A operand: 9-16 requests' digit pairs, int8 W2, greedy with no logits out");
+  static_assert(!EREGS || (NT == 2 && !SPLIT && !DIGITS && !PAIRS && W2 == kW2Int8 &&
+                           (FORM == kPlainForm || FORM == kBF16LogitsForm)),
+                "e as the A operand: 9-16 requests' digit pairs, int8 W2, greedy with no logits or bf16 logits out");
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
@@ -50,8 +51,9 @@ struct WalkTraits {
   // At 16 slots, one copy of it for every logits dtype (chosen with selects, kAnyDType), for batches
   // whose noise is made ahead or in tiles.
   static constexpr int kAnyDType = -2;
-  // Logits staged for 16-byte stores (a.logits_staged).
-  static constexpr bool kStagedOut = StagesLogits(NT, SPLIT, DIGITS, false);
+  // Logits staged for 16-byte stores (a.logits_staged). EREGS stores a lane's two adjacent rows of a
+  // request (4 bytes) directly.
+  static constexpr bool kStagedOut = StagesLogits(NT, SPLIT, DIGITS, false) && !EREGS;
   // Whether sampled launches of this kernel make their noise in tiles (noise.cuh) where it does not
   // fit ahead; the staging kernels' batches' noise always fits ahead.
   static constexpr bool kNoiseTiles = MakesNoiseTiles(NT, SPLIT, DIGITS) && !STAGED && !EREGS;
