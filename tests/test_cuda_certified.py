@@ -198,6 +198,53 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
         assert_int8_logits(got, base, anchor, chead, logits_dtype)
 
 
+# 9-16 greedy requests, tokens only, from bf16 base logits: EREGS's certified walk, whose lane (g, t)
+# holds rows 8h + 2t + c of requests g and g + 8.
+@pytest.mark.parametrize("batch", [9, 16])
+@pytest.mark.parametrize("w1_dtype", [jnp.bfloat16, jnp.float32])
+def test_eregs_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype):
+    (plan,) = native.cuda_launch_plan(batch, 7, V, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16, certified=True)
+    assert "eregs,certified" in plan["name"], plan
+    head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
+    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
+    stats()
+    got = walk(base, anchor, chead)
+    counted = stats()
+    assert_unquantized_tokens(got, base, anchor, chead, {}, assert_tokens_match)
+    decisions = batch * 7
+    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
+    assert counted["cta_sets"] >= decisions, counted
+    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
+    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
+    print(f"certified (EREGS): {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
+          f"{counted['lane_fallbacks']} lane fallbacks")
+
+
+@pytest.mark.parametrize("vocab", [4096, 60010])
+def test_eregs_constructed_disagreements(rng, stats, assert_tokens_match, vocab):
+    """one_large_element for 12 requests from bf16 base logits: at step 0 the int8 walk chooses another
+    column than the unquantized one for every request, and EREGS's certified walk chooses the latter
+    (V = 4096: a tile or two a CTA; 60010: resident tiles, a last tile half outside V)."""
+    batch = 12
+    c = certified_cases.one_large_element(rng, vocab=vocab, batch=batch, steps=4)
+    base = c.base.astype(jnp.bfloat16)
+    chead = jm.quantize(c.head, certified=True)
+    (plan,) = native.cuda_launch_plan(batch, 4, vocab, 256, jnp.bfloat16, jnp.int8, base_dtype=jnp.bfloat16,
+                                      certified=True)
+    assert "eregs,certified" in plan["name"], plan
+    # the construction holds in bf16 base logits: the unquantized and the int8 walks part at step 0
+    np.testing.assert_array_equal(walk(base, c.anchor, chead.unquantized, "reference").tokens[:, 0], c.exact)
+    np.testing.assert_array_equal(walk(base, c.anchor, chead.quantized).tokens[:, 0], c.int8)
+    stats()
+    got = walk(base, c.anchor, chead)
+    counted = stats()
+    np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
+    assert_unquantized_tokens(got, base, c.anchor, chead, {}, assert_tokens_match)
+    assert counted["decisions"] == batch * 4 and counted["uncertified"] == 0, counted
+    assert counted["rescored"] >= 2 * batch, counted
+
+
 @pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
 def test_mixed_batch(rng, stats, assert_tokens_match, reference_scores, logits_dtype):
     """One greedy and one sampled request in a call: the greedy row certified, the sampled row the plain

@@ -46,7 +46,7 @@ struct WalkSmem {
   }
 };
 
-// A certified walk's state (the digit kernel's CERT instances, up to kCertBatch requests): per request
+// A certified walk's state (the CERT instances, up to kCertBatch requests): per request
 // the CTA's exact key of the step, its margin and the step's counts for the stats (columns re-scored,
 // lanes that re-scored all their rows); per warp the largest W2 scale and residual norm of its rows
 // (as bits), which give the CTA's once a launch; then each request's e of the step as floats, for the

@@ -27,8 +27,10 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
-// The requests a launch of a certified walk (a CertifiedMarkovHead) takes: the digit kernel's.
-constexpr int kCertBatch = 2;
+// The requests a launch of a certified walk (a CertifiedMarkovHead) takes: 1-2 in the digit kernel,
+// 9-16 in EREGS (kCertBatch).
+constexpr int kCertDigitBatch = 2;
+constexpr int kCertBatch = 16;
 // The atomic exchange's keys, each on a line of its own (kKeyStride, walk_common.h).
 static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
 MARKOV_HOST_DEVICE constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }

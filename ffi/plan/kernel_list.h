@@ -38,11 +38,12 @@
   JAX_MARKOV_STAGED_PAIR(X, 2, false, false, kW2Int8, 256, kBF16LogitsForm, false, true, false)     \
   JAX_MARKOV_COLUMN_KERNELS(X, kW2Int8, 512)
 
-// 1-2 requests of a CertifiedMarkovHead (cuda/walk/certified.cuh): the digit kernel, tokens only or
-// any other form.
+// A CertifiedMarkovHead (cuda/walk/certified.cuh): 1-2 requests in the digit kernel, tokens only or
+// any other form; 9-16 greedy requests, tokens only, in EREGS.
 #define JAX_MARKOV_CERTIFIED_WALK_KERNELS(X)                                                        \
   JAX_MARKOV_STAGED_PAIR(X, 1, false, true, kW2Int8, 512, kPlainForm, false, false, true)           \
-  JAX_MARKOV_STAGED_PAIR(X, 1, false, true, kW2Int8, 512, kAnyForm, false, false, true)
+  JAX_MARKOV_STAGED_PAIR(X, 1, false, true, kW2Int8, 512, kAnyForm, false, false, true)             \
+  JAX_MARKOV_STAGED_PAIR(X, 2, false, false, kW2Int8, 256, kPlainForm, false, true, true)
 
 #define JAX_MARKOV_F16_WALK_KERNELS(X) JAX_MARKOV_COLUMN_KERNELS(X, kW2F16, 256)
 #define JAX_MARKOV_BF16_WALK_KERNELS(X) JAX_MARKOV_COLUMN_KERNELS(X, kW2BF16, 256)

@@ -192,12 +192,21 @@ bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& pro
 }
 
 // The launch of `batch` requests: which kernel walks it, by batch range (docs/kernel_design.md).
+// Whether EREGS's certified walk takes a CertifiedMarkovHead's call: 9-16 greedy requests, tokens only,
+// bfloat16 base logits and an even V (the plain EREGS walk's own conditions).
+bool CertifiedEregs(const WalkCall& call) {
+  return call.batch > 8 && call.batch <= kCertBatch && !call.sampling && call.logits_dtype == kNone &&
+         call.base_dtype == kBF16 && call.vocab % 2 == 0;
+}
+
 LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& props) {
   const bool split = ColumnsPerRequest(call.w2, call.w1_dtype) == 2;
   const int columns = split ? 2 * batch : batch;
   const bool logits = call.logits_dtype != kNone;
-  // A CertifiedMarkovHead's 1-2 requests (Unsupported refuses more): the digit kernel's certified walk.
-  if (call.certified) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
+  // A CertifiedMarkovHead (Unsupported refuses other batches): 1-2 requests in the digit kernel's
+  // certified walk, 9-16 greedy ones in EREGS's.
+  if (call.certified && batch <= kCertDigitBatch) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
+  if (call.certified) return PlanWalkKernel(call, batch, props, 2, false, false, false, true, true);
   if (call.w2 == kW2Int8) {
     if (batch <= 2) return PlanWalkKernel(call, batch, props, 1, false, true);
     LaunchPlan transposed;
@@ -244,9 +253,13 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
   if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
-  if (call.certified && call.batch > kCertBatch) {
-    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertBatch) +
-           " requests (the digit kernel's certified walk), got B = " + std::to_string(call.batch);
+  if (call.certified && call.batch > kCertDigitBatch && !CertifiedEregs(call)) {
+    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertDigitBatch) +
+           " requests, or 9 to " + std::to_string(kCertBatch) +
+           " greedy ones (no temperatures, no logits out) with bfloat16 base logits and an even V, got B = " +
+           std::to_string(call.batch) + (call.sampling ? " with temperatures" : "") + (call.logits_dtype != kNone ? " with logits out" : "") +
+           (call.base_dtype != kBF16 ? std::string(" with ") + DTypeName(call.base_dtype) + " base logits" : "") +
+           (call.vocab % 2 != 0 ? " at an odd V" : "");
   }
   const int64_t per_launch = std::min<int64_t>(call.batch, LaunchRequests(call.w2, call.w1_dtype));
   if (per_launch * call.steps * call.vocab >= (int64_t(1) << 32)) {

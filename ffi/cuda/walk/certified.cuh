@@ -1,5 +1,5 @@
-// The certified walk of a CertifiedMarkovHead in MarkovWalkKernel's digit kernel (1-2 requests, the
-// CERT instances): int8 W2 scores every column as the plain walk does, and each warp re-scores
+// The certified walk of a CertifiedMarkovHead in MarkovWalkKernel (the CERT instances: the digit kernel
+// at 1-2 requests, EREGS at 9-16 greedy ones): int8 W2 scores every column as the plain walk does, and each warp re-scores
 // exactly, from the unquantized W2, the columns of its own that the int8 scores cannot rule out, so
 // that a greedy row chooses what the unquantized head's walk chooses (ffi/cpu/certified.h is the CPU
 // form of the same rule). Sampled rows keep their int8 keys, and the logits out stay the int8 ones.
@@ -45,7 +45,7 @@
 // -inf, rounded to the logits dtype, PackArgmaxKey), and the grid's maximum over the CTAs' maxima of
 // exact keys is v*'s key, whatever other columns were re-scored. A lane knows its best and second
 // keys and its third-best score (Keep): where its third reaches T' (three candidates), or the bound
-// cannot be used, the warp re-scores all of that lane's rows (2 per tile of the warp).
+// cannot be used, the warp re-scores all of that lane's rows (2 per tile of the warp, EREGS 4).
 #pragma once
 
 #include <cfloat>
@@ -229,7 +229,7 @@ __device__ __forceinline__ unsigned long long WalkCta<T>::RescoreColumns(int r, 
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long long own, unsigned long long cur) {
   constexpr int N = T::kRescoreBatch;
-  const int rq = SlotRequest<SPLIT, DIGITS>(i, t);
+  const int rq = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
   const bool greedy = rq < batch && inv_t[rq] < 0.0f && own != 0;
   const int dtype = FORM == kPlainForm ? kF32 : a.logits_dtype;  // kF32 where no logits go out
   bool first = false, second = false, all = false;
@@ -245,7 +245,9 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
     }
   }
   const int own_row = int(ArgmaxKeyIndex(own)), second_row = int(ArgmaxKeyIndex(runner_up[i]));
-  for (int r = 0; r < min(batch, kCertBatch); ++r) {
+  // The requests of slot i in this warp: the digit kernel's 1-2, EREGS's 8i .. 8i + 7.
+  const int r_first = EREGS ? 8 * i : 0, r_end = min(batch, EREGS ? 8 * i + 8 : kCertDigitBatch);
+  for (int r = r_first; r < r_end; ++r) {
     const bool mine = greedy && rq == r;
     const unsigned all_lanes = __ballot_sync(0xffffffffu, mine && all);
     unsigned firsts = __ballot_sync(0xffffffffu, mine && first && !all);
@@ -274,18 +276,22 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
       const unsigned long long key = RescoreColumns<false>(r, k, e, cols, count);
       best = key > best ? key : best;
     }
-    // Every row of the lanes that cannot tell: rows g and g + 8 of each of the warp's tiles (those of
-    // -inf base without their W2 rows where the margin is finite: a CTA of masked rows stays cheap).
+    // Every row of the lanes that cannot tell: rows g and g + 8 of each of the warp's tiles (EREGS:
+    // rows 8h + 2t + c), those of -inf base without their W2 rows where the margin is finite (a CTA of
+    // masked rows stays cheap).
     const bool masked_skip = cert_margin[r] < INFINITY;
+    constexpr int kLaneRows = EREGS ? 4 : 2;  // a lane's rows of a tile
     for (unsigned left = all_lanes; left != 0; left &= left - 1) {
-      const int lane_g = (__ffs(left) - 1) >> 2, rows = 2 * tiles.total();
+      const int from_lane = __ffs(left) - 1, lane_g = from_lane >> 2, lane_t = from_lane & 3;
+      const int rows = kLaneRows * tiles.total();
       for (int m0 = 0; m0 < rows; m0 += N) {
         int cols[N];
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-          const int m = m0 + j, n = m >> 1;
+          const int m = m0 + j, n = m / kLaneRows;
           const int tile = n < tiles.n_resident ? tiles.Local(false, n) : tiles.Local(true, n - tiles.n_resident);
-          cols[j] = m < rows ? RowOf(tile) + lane_g + 8 * (m & 1) : -1;
+          const int in_tile = EREGS ? 8 * ((m >> 1) & 1) + 2 * lane_t + (m & 1) : lane_g + 8 * (m & 1);
+          cols[j] = m < rows ? RowOf(tile) + in_tile : -1;
         }
         const unsigned long long key = masked_skip ? RescoreColumns<true>(r, k, e, cols, count)
                                                    : RescoreColumns<false>(r, k, e, cols, count);

@@ -315,6 +315,7 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
         if constexpr (CERT) CertifyE(b, w1_raw[u]);
       } else if constexpr (EREGS) {
         BuildDigitPairOperands(a, b, k, lane, w1_raw[u], frag, unscale);
+        if constexpr (CERT) CertifyE(b, w1_raw[u]);
       } else if constexpr (PAIRS) {
         BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
       } else {
@@ -344,10 +345,11 @@ __device__ __forceinline__ void WalkCta<T>::Reduce(int k, unsigned long long (&b
     }
     const int rq = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
     if constexpr (CERT) {
-      // The CTA's best key so far of this lane's request, from lane t (g = 0) of the warp.
+      // The CTA's best key so far of this lane's request, from the lane that published it: lane t
+      // (g = 0) of the warp, EREGS's lane 4g (t = 0).
       unsigned long long before = 0;
-      if (g == 0 && rq < batch && best[i] != 0) before = atomicMax(&cta_best[rq], best[i]);
-      const unsigned long long cur = __shfl_sync(0xffffffffu, before > best[i] ? before : best[i], t);
+      if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) before = atomicMax(&cta_best[rq], best[i]);
+      const unsigned long long cur = __shfl_sync(0xffffffffu, before > best[i] ? before : best[i], EREGS ? 4 * g : t);
       Certify(k, i, own, cur);
     } else {
       if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
