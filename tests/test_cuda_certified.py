@@ -104,7 +104,7 @@ def assert_int8_logits(got, base, anchor, chead, logits_dtype, **kw):
 
 
 @pytest.mark.parametrize("case,logits_dtype", certified_cases.CASE_PARAMS)
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])  # the digit kernel, the digit pairs at NT = 1 and 2
 def test_constructed_disagreements(rng, stats, assert_tokens_match, case, logits_dtype, batch):
     c = certified_cases.CASES[case](rng, logits_dtype=logits_dtype, batch=batch, steps=4)
     chead = jm.quantize(c.head, certified=True)
@@ -194,6 +194,32 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
     assert counted["lane_fallbacks"] <= 3 * decisions, counted
     print(f"certified: {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
           f"{counted['rescored'] / counted['cta_sets']:.2f} a CTA, {counted['lane_fallbacks']} lane fallbacks")
+    if logits_dtype is not None:
+        assert_int8_logits(got, base, anchor, chead, logits_dtype)
+
+
+# 3-8 requests on the digit pairs' certified walk (lane (g, t): rows g and g + 8 of request 4i + t):
+# tokens only from either W1, logits out from a bf16 W1.
+@pytest.mark.parametrize("batch", [3, 8])
+@pytest.mark.parametrize("w1_dtype,logits_dtype", [(jnp.bfloat16, None), (jnp.float32, None),
+                                                   (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_pairs_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype, logits_dtype):
+    (plan,) = native.cuda_launch_plan(batch, 7, V, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
+                                      logits_dtype=logits_dtype, certified=True)
+    assert "pairs,certified" in plan["name"], plan
+    head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
+    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
+    kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
+    stats()
+    got = walk(base, anchor, chead, **kw)
+    counted = stats()
+    assert_unquantized_tokens(got, base, anchor, chead, kw, assert_tokens_match)
+    decisions = batch * 7
+    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
+    assert counted["cta_sets"] >= decisions, counted
+    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
+    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
     if logits_dtype is not None:
         assert_int8_logits(got, base, anchor, chead, logits_dtype)
 
@@ -340,18 +366,19 @@ def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_to
     assert counted["rescored"] >= counted["uncertified"] * vocab, counted
 
 
-def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
+@pytest.mark.parametrize("batch", [2, 4, 12])  # the digit kernel, the digit pairs, EREGS
+def test_ties_make_lanes_rescore_all_their_rows(rng, stats, batch):
     """W2 rows repeating every 8 rows and base logits too: the best class ties at thousands of columns.
     At this V every warp scores two tiles or more, so that a lane's rows (g and g + 8 of each, one
-    class) hold three candidates or more and it re-scores all of them; the lowest index still wins, as
-    in the unquantized walk."""
+    class; EREGS: 8h + 2t + c) hold three candidates or more and it re-scores all of them; the lowest
+    index still wins, as in the unquantized walk."""
     vocab = 69632  # 33 tiles a CTA on 132 SMs
     w1 = jnp.asarray(rng.standard_normal((vocab, 256)), jnp.bfloat16)
     w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
     chead = jm.quantize(head, certified=True)
-    base = jnp.asarray(np.tile(rng.standard_normal((2, 3, 8)), (1, 1, vocab // 8)), jnp.bfloat16)
-    anchor = jnp.asarray(rng.integers(0, vocab, 2), jnp.int32)
+    base = jnp.asarray(np.tile(rng.standard_normal((batch, 3, 8)), (1, 1, vocab // 8)), jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     got = walk(base, anchor, chead)
     counted = stats()
     want = walk(base, anchor, head, "reference")
@@ -362,7 +389,7 @@ def test_ties_make_lanes_rescore_all_their_rows(rng, stats):
 
 def test_decode_loop_and_auto(rng, stats):
     """impl="auto" walks a certified head of 1-2 requests on the kernel (its counters move), inside a
-    jitted decode loop too; 3 requests walk on the reference."""
+    jitted decode loop too; 17 requests walk on the reference."""
     head, chead = random_heads(rng, 20011, w1_dtype=jnp.bfloat16)
     base = jnp.asarray(rng.standard_normal((2, 2, 5, 20011)), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, 20011, 2), jnp.int32)
@@ -380,8 +407,8 @@ def test_decode_loop_and_auto(rng, stats):
     assert stats()["decisions"] == 2 * 2 * 5
     want = np.asarray(rounds(head))
     assert (got == want).mean() > 0.9  # the bf16-head kernel: equal up to near-ties (and the walk after them)
-    three = jnp.asarray(rng.standard_normal((3, 5, 20011)), jnp.bfloat16)
-    text = jax.jit(lambda x, a, h: jm.walk(x, a, h).tokens).lower(three, jnp.zeros(3, jnp.int32), chead).as_text()
+    wide = jnp.asarray(rng.standard_normal((17, 5, 20011)), jnp.bfloat16)
+    text = jax.jit(lambda x, a, h: jm.walk(x, a, h).tokens).lower(wide, jnp.zeros(17, jnp.int32), chead).as_text()
     assert "custom_call @jax_markov_walk" not in text
-    with pytest.raises(ValueError, match="B <= 2"):
-        jm.walk(three, jnp.zeros(3, jnp.int32), chead, impl="ffi")
+    with pytest.raises(ValueError, match="B <= 8 requests"):
+        jm.walk(wide, jnp.zeros(17, jnp.int32), chead, impl="ffi")

@@ -101,15 +101,18 @@ def test_every_instantiated_kernel_is_some_plan():
     (1, False, "bfloat16", "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
     (2, True, "float32", "bfloat16", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
     (1, False, None, "float32", "walk<nt=1,digits,certified,w2=int8,threads=512,staged,form=any>"),
+    (3, False, None, "bfloat16", "walk<nt=1,split,pairs,certified,w2=int8,threads=512,staged,form=any>"),
+    (8, True, "bfloat16", "bfloat16", "walk<nt=2,split,pairs,certified,w2=int8,threads=512,form=any>"),
     (9, False, None, "bfloat16", "walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"),
     (16, False, None, "bfloat16", "walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"),
 ])
 def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, base, kernel):
     """A CertifiedMarkovHead's 1-2 requests walk on the digit kernel's certified instances (tokens only
     from bf16 base logits: the plain form; anything else: the any form), also the greedy half of a
-    guarded pair; 9-16 greedy requests, tokens only from bf16 base logits, on EREGS's; other batches
-    and forms are refused, naming the limits."""
-    for w1 in FLOATS:
+    guarded pair; 3-8 on the digit pairs' (logits out from a bf16 W1 only); 9-16 greedy requests,
+    tokens only from bf16 base logits, on EREGS's; other batches and forms are refused, naming the
+    limits."""
+    for w1 in FLOATS if batch <= 2 or logits is None else ["bfloat16"]:
         plans = _plans(batch, 7, 151936, "int8", w1, base, logits, sampling, H100, certified=True)
         assert all(",certified," in p["name"] and p["batch"] == batch for p in plans), plans
         (plan,) = _walking(plans, True)
@@ -117,7 +120,6 @@ def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, bas
         assert plan["resident_tiles"] > 0
     rank = native.cuda_envelope()["rank"]
     for batch, logits, sampling, base, vocab, says in [
-            (3, None, False, "bfloat16", 151936, "got B = 3"), (8, None, False, "bfloat16", 151936, "got B = 8"),
             (17, None, False, "bfloat16", 151936, "got B = 17"), (64, None, False, "bfloat16", 151936, "got B = 64"),
             (16, "bfloat16", False, "bfloat16", 151936, "got B = 16 with logits out"),
             (12, None, True, "bfloat16", 151936, "got B = 12 with temperatures"),
@@ -125,9 +127,12 @@ def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, bas
             (12, None, False, "bfloat16", 151935, "at an odd V")]:
         why = native._markov_plan.unsupported(batch, 7, vocab, rank, "int8", "bfloat16", base, logits, sampling, H100,
                                               True)
-        assert "CertifiedMarkovHead for B <= 2 requests, or 9 to 16 greedy ones" in why and says in why, why
-        with pytest.raises(ValueError, match="B <= 2 requests, or 9 to 16"):
+        assert "CertifiedMarkovHead for B <= 8 requests" in why and "or 9 to 16 greedy ones" in why and says in why, why
+        with pytest.raises(ValueError, match="B <= 8 requests"):
             _plans(batch, 7, vocab, "int8", "bfloat16", base, logits, sampling, H100, certified=True)
+    why = native._markov_plan.unsupported(5, 7, 151936, rank, "int8", "float32", "bfloat16", "bfloat16", False, H100,
+                                          True)
+    assert "got B = 5 with logits out from a float32 W1" in why, why
     # the certified walk keeps a few bytes of state beside the plain walk's: at most one tile fewer
     plain = _plans(1, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100)[0]
     certified = _plans(1, 7, 151936, "int8", "bfloat16", "bfloat16", None, False, H100, certified=True)[0]

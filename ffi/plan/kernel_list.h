@@ -39,10 +39,12 @@
   JAX_MARKOV_COLUMN_KERNELS(X, kW2Int8, 512)
 
 // A CertifiedMarkovHead (cuda/walk/certified.cuh): 1-2 requests in the digit kernel, tokens only or
-// any other form; 9-16 greedy requests, tokens only, in EREGS.
+// any other form; 3-8 on the digit pairs; 9-16 greedy requests, tokens only, in EREGS.
 #define JAX_MARKOV_CERTIFIED_WALK_KERNELS(X)                                                        \
   JAX_MARKOV_STAGED_PAIR(X, 1, false, true, kW2Int8, 512, kPlainForm, false, false, true)           \
   JAX_MARKOV_STAGED_PAIR(X, 1, false, true, kW2Int8, 512, kAnyForm, false, false, true)             \
+  JAX_MARKOV_STAGED_PAIR(X, 1, true, false, kW2Int8, 512, kAnyForm, true, false, true)              \
+  JAX_MARKOV_STAGED_PAIR(X, 2, true, false, kW2Int8, 512, kAnyForm, true, false, true)              \
   JAX_MARKOV_STAGED_PAIR(X, 2, false, false, kW2Int8, 256, kPlainForm, false, true, true)
 
 #define JAX_MARKOV_F16_WALK_KERNELS(X) JAX_MARKOV_COLUMN_KERNELS(X, kW2F16, 256)

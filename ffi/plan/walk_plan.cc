@@ -110,7 +110,7 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
   p.noise_ahead = call.sampling && NoiseFitsAhead(batch, rows_per_cta);
   const bool logits = call.logits_dtype != kNone;
   int form = eregs ? (logits ? kBF16LogitsForm : kPlainForm) : kAnyForm;
-  if (cert) {  // the certified instances: tokens only, or any other launch
+  if (cert && !pairs) {  // the certified instances: tokens only, or any other launch (the pairs': any)
     form = call.base_dtype == kBF16 && !logits && !call.sampling ? kPlainForm : kAnyForm;
   } else if (digits) {  // the digit kernel's instances for the known launch forms
     const bool logits_form = call.base_dtype == kBF16 && logits && (!call.sampling || p.noise_ahead);
@@ -192,8 +192,14 @@ bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& pro
 }
 
 // The launch of `batch` requests: which kernel walks it, by batch range (docs/kernel_design.md).
-// Whether EREGS's certified walk takes a CertifiedMarkovHead's call: 9-16 greedy requests, tokens only,
-// bfloat16 base logits and an even V (the plain EREGS walk's own conditions).
+// Which certified walk takes a CertifiedMarkovHead's call: the digit kernel's 1-2 requests (any
+// form); the digit pairs' 3-8 (tokens only, or logits out from a bfloat16 W1, as their plain walk);
+// EREGS's 9-16 greedy requests, tokens only, bfloat16 base logits and an even V (its plain walk's own
+// conditions).
+bool CertifiedDigits(const WalkCall& call) { return call.batch <= kCertDigitBatch; }
+bool CertifiedPairs(const WalkCall& call) {
+  return call.batch > kCertDigitBatch && call.batch <= 8 && (call.logits_dtype == kNone || call.w1_dtype == kBF16);
+}
 bool CertifiedEregs(const WalkCall& call) {
   return call.batch > 8 && call.batch <= kCertBatch && !call.sampling && call.logits_dtype == kNone &&
          call.base_dtype == kBF16 && call.vocab % 2 == 0;
@@ -203,9 +209,12 @@ LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& p
   const bool split = ColumnsPerRequest(call.w2, call.w1_dtype) == 2;
   const int columns = split ? 2 * batch : batch;
   const bool logits = call.logits_dtype != kNone;
-  // A CertifiedMarkovHead (Unsupported refuses other batches): 1-2 requests in the digit kernel's
-  // certified walk, 9-16 greedy ones in EREGS's.
-  if (call.certified && batch <= kCertDigitBatch) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
+  // A CertifiedMarkovHead (Unsupported refuses other calls): the digit kernel's, the digit pairs' or
+  // EREGS's certified walk.
+  if (call.certified && CertifiedDigits(call)) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
+  if (call.certified && CertifiedPairs(call)) {
+    return PlanWalkKernel(call, batch, props, batch <= 4 ? 1 : 2, true, false, true, false, true);
+  }
   if (call.certified) return PlanWalkKernel(call, batch, props, 2, false, false, false, true, true);
   if (call.w2 == kW2Int8) {
     if (batch <= 2) return PlanWalkKernel(call, batch, props, 1, false, true);
@@ -253,11 +262,12 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
   if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
-  if (call.certified && call.batch > kCertDigitBatch && !CertifiedEregs(call)) {
-    return "the CUDA kernel walks a CertifiedMarkovHead for B <= " + std::to_string(kCertDigitBatch) +
-           " requests, or 9 to " + std::to_string(kCertBatch) +
+  if (call.certified && !CertifiedDigits(call) && !CertifiedPairs(call) && !CertifiedEregs(call)) {
+    return "the CUDA kernel walks a CertifiedMarkovHead for B <= 8 requests (3-8 with logits out only from a "
+           "bfloat16 W1), or 9 to " + std::to_string(kCertBatch) +
            " greedy ones (no temperatures, no logits out) with bfloat16 base logits and an even V, got B = " +
            std::to_string(call.batch) + (call.sampling ? " with temperatures" : "") + (call.logits_dtype != kNone ? " with logits out" : "") +
+           (call.w1_dtype != kBF16 ? std::string(" from a ") + DTypeName(call.w1_dtype) + " W1" : "") +
            (call.base_dtype != kBF16 ? std::string(" with ") + DTypeName(call.base_dtype) + " base logits" : "") +
            (call.vocab % 2 != 0 ? " at an odd V" : "");
   }

@@ -245,8 +245,10 @@ __device__ __forceinline__ void WalkCta<T>::Certify(int k, int i, unsigned long 
     }
   }
   const int own_row = int(ArgmaxKeyIndex(own)), second_row = int(ArgmaxKeyIndex(runner_up[i]));
-  // The requests of slot i in this warp: the digit kernel's 1-2, EREGS's 8i .. 8i + 7.
-  const int r_first = EREGS ? 8 * i : 0, r_end = min(batch, EREGS ? 8 * i + 8 : kCertDigitBatch);
+  // The requests of slot i in this warp: the digit kernel's 1-2, the digit pairs' 4i .. 4i + 3, EREGS's
+  // 8i .. 8i + 7.
+  const int r_first = EREGS ? 8 * i : PAIRS ? 4 * i : 0;
+  const int r_end = min(batch, EREGS ? 8 * i + 8 : PAIRS ? 4 * i + 4 : kCertDigitBatch);
   for (int r = r_first; r < r_end; ++r) {
     const bool mine = greedy && rq == r;
     const unsigned all_lanes = __ballot_sync(0xffffffffu, mine && all);

@@ -318,6 +318,7 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
         if constexpr (CERT) CertifyE(b, w1_raw[u]);
       } else if constexpr (PAIRS) {
         BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
+        if constexpr (CERT) CertifyE(b, w1_raw[u]);
       } else {
         BuildFragments<NT, SPLIT, W2, T::kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
       }

@@ -14,7 +14,7 @@ namespace walk {
 // requests as e's two int8 digits in B. EREGS: 9-16 greedy requests, e's two digits as the A operand
 // held in registers (tokens only, or bf16 logits out). CERT: a CertifiedMarkovHead's walk
 // (certified.cuh): greedy rows re-score their candidates exactly from the unquantized W2; the digit
-// kernel's plain and any-form instances, and EREGS's plain one.
+// kernel's plain and any-form instances, the digit pairs' and EREGS's plain one.
 template <int NT_, bool SPLIT_, bool DIGITS_, int W2_, int THREADS_, bool STAGED_, int FORM_, bool PAIRS_, bool EREGS_,
           bool CERT_ = false>
 struct WalkTraits {
@@ -31,9 +31,9 @@ struct WalkTraits {
   static_assert(THREADS / 32 <= kMaxWarps, "the timeline has kMaxWarps warps per CTA");
   static_assert(!STAGED || NT <= 2, "only kernels of up to 16 columns stage their base logits");
   static_assert(!PAIRS || (SPLIT && !DIGITS && W2 == kW2Int8 && NT <= 2), "digit pairs: up to 8 requests' two columns, int8 W2");
-  static_assert(!CERT || (DIGITS && (FORM == kPlainForm || FORM == kAnyForm)) || (EREGS && FORM == kPlainForm),
+  static_assert(!CERT || (DIGITS && (FORM == kPlainForm || FORM == kAnyForm)) || PAIRS || (EREGS && FORM == kPlainForm),
                 "the certified walk: the digit kernel (1-2 requests), whose lanes own whole rows (no split-row "
-                "form), or EREGS (9-16 greedy requests, tokens only)");
+                "form), the digit pairs (3-8) or EREGS (9-16 greedy requests, tokens only)");
 
   using Smem = WalkSmem<NT, PAIRS>;
   // Rows of W2 whose loads a warp has in flight at once when it re-scores a certified walk's candidates.
