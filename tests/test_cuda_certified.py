@@ -171,11 +171,22 @@ def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, place
         assert_int8_logits(got, base, c.anchor, chead, logits_dtype)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("w1_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16, jnp.float32])
-def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype, logits_dtype):
-    """V = 151936, K = 7, bf16 base logits: the plain form (tokens only) and the any form (logits out)."""
+BF16, F32 = jnp.bfloat16, jnp.float32
+# Each certified walk's calls: the digit kernel's 1-2 requests (tokens only: the plain form; logits out:
+# the any form), the digit pairs' 3-8 (logits out from a bf16 W1 only; lane (g, t): rows g and g + 8 of
+# request 4i + t) and EREGS's 9-16 (tokens only; lane (g, t): rows 8h + 2t + c of requests g and g + 8).
+RANDOM_SHAPES = ([(b, w1, lg, "digits,certified") for b in (1, 2) for w1 in (BF16, F32) for lg in (None, BF16, F32)] +
+                 [(b, w1, lg, "pairs,certified") for b in (3, 8) for w1, lg in ((BF16, None), (F32, None), (BF16, BF16),
+                                                                               (BF16, F32))] +
+                 [(b, w1, None, "eregs,certified") for b in (9, 16) for w1 in (BF16, F32)])
+
+
+@pytest.mark.parametrize("batch,w1_dtype,logits_dtype,kernel", RANDOM_SHAPES)
+def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype, logits_dtype, kernel):
+    """V = 151936, K = 7, bf16 base logits, in every certified walk (RANDOM_SHAPES)."""
+    (plan,) = native.cuda_launch_plan(batch, 7, V, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
+                                      logits_dtype=logits_dtype, certified=True)
+    assert kernel in plan["name"], plan
     head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
     base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
@@ -192,59 +203,10 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
     # A lane whose third-best column reaches the threshold re-scores all its rows: about once a
     # decision on these heads (15 in 14 decisions on an H100), counted in "rescored" above.
     assert counted["lane_fallbacks"] <= 3 * decisions, counted
-    print(f"certified: {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
+    print(f"certified ({plan['name']}): {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
           f"{counted['rescored'] / counted['cta_sets']:.2f} a CTA, {counted['lane_fallbacks']} lane fallbacks")
     if logits_dtype is not None:
         assert_int8_logits(got, base, anchor, chead, logits_dtype)
-
-
-# 3-8 requests on the digit pairs' certified walk (lane (g, t): rows g and g + 8 of request 4i + t):
-# tokens only from either W1, logits out from a bf16 W1.
-@pytest.mark.parametrize("batch", [3, 8])
-@pytest.mark.parametrize("w1_dtype,logits_dtype", [(jnp.bfloat16, None), (jnp.float32, None),
-                                                   (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
-def test_pairs_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype, logits_dtype):
-    (plan,) = native.cuda_launch_plan(batch, 7, V, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
-                                      logits_dtype=logits_dtype, certified=True)
-    assert "pairs,certified" in plan["name"], plan
-    head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
-    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
-    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
-    kw = {} if logits_dtype is None else dict(return_logits=True, logits_dtype=logits_dtype)
-    stats()
-    got = walk(base, anchor, chead, **kw)
-    counted = stats()
-    assert_unquantized_tokens(got, base, anchor, chead, kw, assert_tokens_match)
-    decisions = batch * 7
-    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
-    assert counted["cta_sets"] >= decisions, counted
-    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
-    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
-    if logits_dtype is not None:
-        assert_int8_logits(got, base, anchor, chead, logits_dtype)
-
-
-# 9-16 greedy requests, tokens only, from bf16 base logits: EREGS's certified walk, whose lane (g, t)
-# holds rows 8h + 2t + c of requests g and g + 8.
-@pytest.mark.parametrize("batch", [9, 16])
-@pytest.mark.parametrize("w1_dtype", [jnp.bfloat16, jnp.float32])
-def test_eregs_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtype):
-    (plan,) = native.cuda_launch_plan(batch, 7, V, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16, certified=True)
-    assert "eregs,certified" in plan["name"], plan
-    head, chead = random_heads(rng, V, w1_dtype=w1_dtype)
-    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
-    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
-    stats()
-    got = walk(base, anchor, chead)
-    counted = stats()
-    assert_unquantized_tokens(got, base, anchor, chead, {}, assert_tokens_match)
-    decisions = batch * 7
-    assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
-    assert counted["cta_sets"] >= decisions, counted
-    assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
-    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
-    print(f"certified (EREGS): {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
-          f"{counted['lane_fallbacks']} lane fallbacks")
 
 
 @pytest.mark.parametrize("vocab", [4096, 60010])
