@@ -13,8 +13,8 @@ certified walk: up to 8 requests, or 9-16 greedy ones) or bf16.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
-launch order, a guarded pair's two launches (a sampled call's, ffi/common/walk_config.h's RunWhen) as
-one line: their sum, under the name of the one that walked. With --tokens, each config's chained walks print what they chose as a line
+launch order, a run of requests' guarded launches (a sampled call's, ffi/common/walk_config.h's
+RunWhen) as one line: their sum, under the name of the one that walked. With --tokens, each config's chained walks print what they chose as a line
 "TOKENS <config> <fingerprint>" (fingerprint: the last walk's tokens and logits, hashed), so that
 kernel versions can be compared bit for bit (benchmarks/ab_kernels.py --tokens).
 """
@@ -108,20 +108,19 @@ def walk_kernel_events(planes) -> list[tuple[str, float]]:
 
 
 def fold_guarded_pairs(events: list[tuple[str, float]], plan: list[dict]) -> list[tuple[str, float]]:
-    """One (kernel, us) per walking launch of chained calls whose launches `plan` lists (one call's,
-    native.cuda_launch_plan): a guarded pair's launches, the one that returned at once and the one that
-    walked, count as one, their sum under the longer one's name."""
+    """One (kernel, us) per run of requests of chained calls whose launches `plan` lists (one call's,
+    native.cuda_launch_plan): a run's guarded launches (those of one "first" request, of which one walks
+    and the others return at once) count as one, their sum under the longest one's name."""
     if len(events) % len(plan):
         raise ValueError(f"{len(events)} walk kernel launches are not whole calls of {len(plan)} launches")
-    folded, held = [], None
-    for launch, (name, us) in zip(plan * (len(events) // len(plan)), events):
-        if launch.get("run_when") == "no_row_samples":  # its twin launches next
-            held = (name, us)
-            continue
-        if held is not None:
-            name, us = max(held, (name, us), key=lambda e: e[1])[0], held[1] + us
-            held = None
-        folded.append((name, us))
+    folded, group = [], []
+    calls = len(events) // len(plan)
+    for i, (launch, event) in enumerate(zip(plan * calls, events)):
+        group.append(event)
+        following = plan[(i + 1) % len(plan)]
+        if i + 1 == len(events) or (i + 1) % len(plan) == 0 or following["first"] != launch["first"]:
+            folded.append((max(group, key=lambda e: e[1])[0], sum(us for _, us in group)))
+            group = []
     return folded
 
 

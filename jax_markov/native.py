@@ -106,9 +106,11 @@ def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2
     """The launches of a CUDA walk (ffi/plan/walk_plan.h) on this machine's GPU (an H100/H200 where none
     can be asked, or `props`): per launch its kernel, requests, threads, shared memory and resident W2
     tiles, whether its rows may sample, and when it walks ("run_when": "always", or for a sampled call
-    whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples",
-    decided on the device from the temperatures). certified: a CertifiedMarkovHead's walk. ValueError
-    naming the limit where the kernel cannot walk the call."""
+    whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples", and
+    for a certified head's sampled call the plain sampled walk "all_rows_sample" after the certified
+    "some_row_greedy", or "mixed_rows" where a greedy launch precedes it; decided on the device from
+    the temperatures). certified: a CertifiedMarkovHead's walk. ValueError naming the limit where the
+    kernel cannot walk the call."""
     return [dict(p) for p in _plan_module().plan(
         batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), _name(base_dtype),
         None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties(), certified)]

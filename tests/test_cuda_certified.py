@@ -259,6 +259,33 @@ def test_mixed_batch(rng, stats, assert_tokens_match, reference_scores, logits_d
                                    np.asarray(int8.logits.astype(jnp.float32))[1], rtol=2.0 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 6])
+@pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
+def test_batch_whose_rows_all_sample_walks_the_plain_kernel(rng, stats, batch, logits_dtype):
+    """Every row sampled: nothing to certify, so the plan's plain sampled launch walks (the certified
+    ones return at once): no decision counted, tokens and logits bit for bit the int8 head's walk. With
+    one row greedy the certified launch walks again and counts that row's decisions."""
+    head, chead = random_heads(rng, V, w1_dtype=jnp.bfloat16)
+    base = jnp.asarray(rng.standard_normal((batch, 7, V)) * 2.0, jnp.bfloat16)
+    anchor = jnp.asarray(rng.integers(0, V, batch), jnp.int32)
+    kw = dict(temperature=jnp.asarray(rng.uniform(0.5, 1.5, batch), jnp.float32),
+              key=jax.random.split(jax.random.key(int(rng.integers(1 << 30))), batch),
+              position=jnp.asarray(rng.integers(0, 4096, batch), jnp.int32))
+    if logits_dtype is not None:
+        kw.update(return_logits=True, logits_dtype=logits_dtype)
+    stats()
+    got = walk(base, anchor, chead, **kw)
+    assert stats()["decisions"] == 0
+    int8 = walk(base, anchor, chead.quantized, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(int8.tokens))
+    if logits_dtype is not None:
+        np.testing.assert_array_equal(np.asarray(got.logits.astype(jnp.float32)),
+                                      np.asarray(int8.logits.astype(jnp.float32)))
+    kw["temperature"] = kw["temperature"].at[0].set(0.0)
+    walk(base, anchor, chead, **kw)
+    assert stats()["decisions"] == 7
+
+
 def test_masked_padding_nan_d2t_and_logit_scale(rng, assert_tokens_match):
     """The spec's rules on a constructed near-tie: the exact winner masked (-inf) or in the padding
     (vocab_size), d2t and a negative logit_scale; a NaN base logit (the first NaN wins)."""

@@ -34,11 +34,16 @@ def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props, certified
                                    sampling=sampling, props=props, certified=certified)
 
 
-def _walking(plans, rows_sample: bool):
-    """The launches that walk when some row samples (rows_sample) or none does: a guarded pair's one
-    half, and every unguarded launch."""
-    skip = "no_row_samples" if rows_sample else "some_row_samples"
-    return [p for p in plans if p["run_when"] != skip]
+# The batch classes (walk_config.h's BatchClass) in which a launch of each run_when walks.
+CLASSES = ("all_greedy", "mixed", "all_sampled")
+WALKS_IN = {"always": set(CLASSES), "no_row_samples": {"all_greedy"}, "some_row_samples": {"mixed", "all_sampled"},
+            "some_row_greedy": {"all_greedy", "mixed"}, "mixed_rows": {"mixed"}, "all_rows_sample": {"all_sampled"}}
+
+
+def _walking(plans, batch_class):
+    """The launches that walk for a batch of that class: one of each run's guarded launches, and every
+    unguarded launch."""
+    return [p for p in plans if batch_class in WALKS_IN[p["run_when"]]]
 
 
 def _grid(seed=0, count=4000):
@@ -66,8 +71,8 @@ def test_every_plan_is_an_instantiated_kernel_that_fits():
         batch, steps, vocab, w2, w1, base, logits, sampling, props = case
         plans = _plans(*case)
         per_launch = envelope["launch_columns"] // native.cuda_columns_per_request(jnp.dtype(w1), jnp.dtype(w2))
-        for rows_sample in (False, True):
-            walking = _walking(plans, rows_sample)
+        for batch_class in CLASSES:
+            walking = _walking(plans, batch_class)
             assert [p["first"] for p in walking] == list(range(0, batch, per_launch)), case
             assert sum(p["batch"] for p in walking) == batch
         for p in plans:
@@ -111,13 +116,25 @@ def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, bas
     from bf16 base logits: the plain form; anything else: the any form), also the greedy half of a
     guarded pair; 3-8 on the digit pairs' (logits out from a bf16 W1 only); 9-16 greedy requests,
     tokens only from bf16 base logits, on EREGS's; other batches and forms are refused, naming the
-    limits."""
+    limits. A sampled batch whose rows all sample certifies nothing: it walks the plain head's sampled
+    launch."""
     for w1 in FLOATS if batch <= 2 or logits is None else ["bfloat16"]:
         plans = _plans(batch, 7, 151936, "int8", w1, base, logits, sampling, H100, certified=True)
-        assert all(",certified," in p["name"] and p["batch"] == batch for p in plans), plans
-        (plan,) = _walking(plans, True)
+        assert all(p["batch"] == batch for p in plans), plans
+        for batch_class in ("all_greedy", "mixed"):
+            (walking,) = _walking(plans, batch_class)
+            assert ",certified," in walking["name"], (batch_class, plans)
+        (plan,) = _walking(plans, "mixed")
         assert plan["name"] == kernel
         assert plan["resident_tiles"] > 0
+        (alone,) = _walking(plans, "all_sampled")
+        if sampling:
+            plain = _plans(batch, 7, 151936, "int8", w1, base, logits, sampling, H100)
+            (plain_sampled,) = _walking(plain, "all_sampled")
+            assert (alone["name"], alone["resident_tiles"]) == (plain_sampled["name"], plain_sampled["resident_tiles"])
+            assert alone["run_when"] == "all_rows_sample" and alone["sampling"]
+        else:
+            assert alone is plan
     rank = native.cuda_envelope()["rank"]
     for batch, logits, sampling, base, vocab, says in [
             (17, None, False, "bfloat16", 151936, "got B = 17"), (64, None, False, "bfloat16", 151936, "got B = 64"),
@@ -157,7 +174,7 @@ def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, bas
 ])
 def test_batch_ranges_take_their_kernels(batch, sampling, logits, kernel):
     """docs/kernel_design.md's batch ranges, at V = 151936 with bf16 base logits and W1 on an H100."""
-    (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", logits, sampling, H100), True)
+    (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", "bfloat16", logits, sampling, H100), "mixed")
     assert plan["name"] == kernel
 
 
@@ -172,18 +189,20 @@ def test_zero_temperature_batches_walk_as_greedy_ones():
             continue
         plans = _plans(*case)
         greedy = _plans(batch, steps, vocab, w2, w1, base, logits, False, props)
-        when_greedy = _walking(plans, False)
+        when_greedy = _walking(plans, "all_greedy")
         assert [p["name"] for p in when_greedy] == [p["name"] for p in greedy], case
         assert [p["resident_tiles"] for p in when_greedy] == [p["resident_tiles"] for p in greedy], case
-        for i, p in enumerate(plans):
+        for p in plans:
             if p["run_when"] == "no_row_samples":
-                twin = plans[i + 1]
-                assert twin["run_when"] == "some_row_samples" and (twin["first"], twin["batch"]) == (p["first"], p["batch"])
+                twin = next(q for q in plans if q["first"] == p["first"] and q is not p)
+                assert twin["run_when"] == "some_row_samples" and twin["batch"] == p["batch"], case
                 assert (twin["name"], twin["resident_tiles"]) != (p["name"], p["resident_tiles"]), case
                 guarded += 1
             elif p["run_when"] == "always":
                 g = next(q for q in greedy if q["first"] == p["first"])
                 assert (g["name"], g["resident_tiles"]) == (p["name"], p["resident_tiles"]), case
+            else:
+                assert p["run_when"] == "some_row_samples", "a plain head's call is guarded in pairs"
     assert guarded > 100
     # At 9-16 requests the greedy walk takes EREGS, the sampled one the fp16-column kernel.
     first, second = _plans(16, 7, 151936, "int8", "bfloat16", "bfloat16", None, True, H100)
@@ -196,7 +215,7 @@ def test_noise_is_made_where_it_is_used():
     9-16 requests in MarkovWalkKernel a tile at a time (noise tiles), the transposed kernel in its
     epilogue."""
     def sampled_launch(*args):
-        (plan,) = _walking(_plans(*args), True)
+        (plan,) = _walking(_plans(*args), "all_sampled")
         return plan
 
     small = sampled_launch(2, 7, 151936, "int8", "bfloat16", "bfloat16", "bfloat16", True, H100)

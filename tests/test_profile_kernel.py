@@ -79,14 +79,21 @@ def test_a_fingerprint_tells_walks_apart_by_tokens_and_logits():
 
 def test_a_guarded_pair_times_as_one_launch():
     """A sampled call of two runs of requests, each a guarded pair (walk_config.h's RunWhen), chained
-    twice: each pair's durations add up under the name of the launch that walked."""
-    plan = [{"run_when": "no_row_samples"}, {"run_when": "some_row_samples"},
-            {"run_when": "no_row_samples"}, {"run_when": "some_row_samples"}]
+    twice: each pair's durations add up under the name of the launch that walked; a certified head's
+    run of three guarded launches folds alike, and unguarded runs stay apart."""
+    plan = [{"first": 0, "run_when": "no_row_samples"}, {"first": 0, "run_when": "some_row_samples"},
+            {"first": 64, "run_when": "no_row_samples"}, {"first": 64, "run_when": "some_row_samples"}]
     events = [("MarkovWalkKernel", 1.5), ("MarkovWalkKernel", 190.0), ("MarkovWalkTransposedKernel", 180.0),
               ("MarkovWalkKernel", 1.4)] * 2
     assert profile_kernel.fold_guarded_pairs(events, plan) == [("MarkovWalkKernel", 191.5),
                                                                ("MarkovWalkTransposedKernel", 181.4)] * 2
     plain = [("MarkovWalkKernel", 52.0)] * 3
-    assert profile_kernel.fold_guarded_pairs(plain, [{"run_when": "always"}]) == plain
+    assert profile_kernel.fold_guarded_pairs(plain, [{"first": 0, "run_when": "always"}]) == plain
+    two_runs = [{"first": 0, "run_when": "always"}, {"first": 64, "run_when": "always"}]
+    assert profile_kernel.fold_guarded_pairs(plain[:2], two_runs) == plain[:2]
+    certified = [{"first": 0, "run_when": "no_row_samples"}, {"first": 0, "run_when": "mixed_rows"},
+                 {"first": 0, "run_when": "all_rows_sample"}]
+    events = [("MarkovWalkKernel", 1.5), ("MarkovWalkKernel", 1.6), ("MarkovWalkKernel", 60.0)]
+    assert profile_kernel.fold_guarded_pairs(events * 2, certified) == [("MarkovWalkKernel", 63.1)] * 2
     with pytest.raises(ValueError, match="not whole calls of 2 launches"):
         profile_kernel.fold_guarded_pairs(events[:3], plan[:2])

@@ -55,8 +55,16 @@ MARKOV_HOST_DEVICE constexpr bool LogitsForm(int form) { return form == kBF16Log
 // one whose rows are all greedy (temperature 0), and only the device sees their values. Where the
 // call's greedy launch would be another kernel (or the same one with more resident tiles), the plan
 // (PlanCall) launches both: the greedy one first, returning at once where a row samples, then the
-// sampled one, returning at once where none does. Each reads the launch's temperatures first.
-enum RunWhen : int { kAlways = 0, kNoRowSamples = 1, kSomeRowSamples = 2 };
+// sampled one, returning at once where none does. A CertifiedMarkovHead's call adds the plain sampled
+// walk, which alone walks a batch whose rows all sample (the certified walk certifies greedy rows
+// only). Each launch reads the launch's temperatures first and walks in the classes of RunWhen.
+enum BatchClass : int { kAllGreedy = 1, kMixedRows = 2, kAllSampled = 4 };
+enum RunWhen : int {
+  kAlways = kAllGreedy | kMixedRows | kAllSampled,
+  kNoRowSamples = kAllGreedy,
+  kSomeRowSamples = kMixedRows | kAllSampled,
+  kSomeRowGreedy = kAllGreedy | kMixedRows,
+};
 
 MARKOV_HOST_DEVICE constexpr int ElementBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 MARKOV_HOST_DEVICE constexpr int W2Bytes(int w2) { return w2 == kW2Int8 ? 1 : 2; }

@@ -59,6 +59,20 @@ WalkCall Call(int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const s
   return c;
 }
 
+// A launch's RunWhen as Python sees it: the batch classes (walk_config.h) in which it walks.
+const char* RunWhenName(int run_when) {
+  using namespace jax_markov::walk;
+  switch (run_when) {
+    case kAlways: return "always";
+    case kNoRowSamples: return "no_row_samples";
+    case kSomeRowSamples: return "some_row_samples";
+    case kSomeRowGreedy: return "some_row_greedy";
+    case kMixedRows: return "mixed_rows";
+    case kAllSampled: return "all_rows_sample";
+  }
+  throw std::logic_error("a launch plan's run_when is not a RunWhen: " + std::to_string(run_when));
+}
+
 nb::dict KernelDict(const KernelKey& k) {
   nb::dict d;
   d["name"] = jax_markov::walk::KernelName(k);
@@ -132,8 +146,7 @@ NB_MODULE(_markov_plan, m) {
           d["noise_tiles"] = l.noise_tiles;
           d["logits_staged"] = l.logits_staged;
           d["sampling"] = l.sampling;
-          static const char* run_when[] = {"always", "no_row_samples", "some_row_samples"};
-          d["run_when"] = run_when[l.run_when];
+          d["run_when"] = RunWhenName(l.run_when);
           launches.append(d);
         }
         return launches;

@@ -305,6 +305,8 @@ std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& p
   const int chunk = LaunchRequests(call.w2, call.w1_dtype);
   WalkCall greedy_call = call;
   greedy_call.sampling = false;
+  WalkCall plain_call = call;
+  plain_call.certified = false;
   for (int64_t first = 0; first < call.batch; first += chunk) {
     const int batch = int(std::min<int64_t>(chunk, call.batch - first));
     LaunchPlan p = PlanLaunch(call, batch, props);
@@ -312,11 +314,22 @@ std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& p
     p.sampling = call.sampling;
     if (call.sampling) {
       LaunchPlan greedy = PlanLaunch(greedy_call, batch, props);
-      if (!(greedy.kernel == p.kernel) || greedy.resident_tiles != p.resident_tiles) {
+      const bool guarded = !(greedy.kernel == p.kernel) || greedy.resident_tiles != p.resident_tiles;
+      if (guarded) {
         greedy.first = p.first;
         greedy.run_when = kNoRowSamples;
         plans.push_back(greedy);
         p.run_when = kSomeRowSamples;
+      }
+      if (call.certified) {  // a batch whose rows all sample takes the plain sampled walk
+        LaunchPlan plain = PlanLaunch(plain_call, batch, props);
+        plain.first = p.first;
+        plain.sampling = true;
+        plain.run_when = kAllSampled;
+        p.run_when = guarded ? int(kMixedRows) : int(kSomeRowGreedy);
+        plans.push_back(p);
+        plans.push_back(plain);
+        continue;
       }
     }
     plans.push_back(p);

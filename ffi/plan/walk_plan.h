@@ -75,7 +75,8 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props);
 std::string SlowerThanReference(const WalkCall& call, const DeviceProperties& props);
 
 // The launches of a call that Unsupported accepts, in order: per run of requests one launch, or for a
-// sampled call whose greedy launch differs the guarded pair (RunWhen).
+// sampled call whose greedy launch differs the guarded pair, and for a certified head's sampled call
+// the plain sampled walk after them (RunWhen).
 std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& props);
 
 // The keys of MarkovWalkKernel<WalkTraits<...>> and MarkovWalkTransposedKernel<...> instances.

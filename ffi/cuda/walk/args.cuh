@@ -37,7 +37,7 @@ struct WalkArgs {
   int tiles_per_cta, resident_tiles;
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead, noise_tiles, logits_staged;
-  int run_when;  // RunWhen: whether the launch returns at once, by whether any of its rows samples
+  int run_when;  // RunWhen: the batch classes in which the launch walks (it returns at once in others)
   // A CertifiedMarkovHead's certificate (the CERT instances; null otherwise): the unquantized W2 [V, 256]
   // of dtype w2_exact_dtype and its rows' residual norms [V]; cert_stats: the counters of
   // certified_stats() (kCertStats words), or null where they are not kept.
@@ -49,13 +49,19 @@ struct WalkArgs {
                                  // [ctas][kMaxSteps][kMaxWarps] warp scoring ends
 };
 
-// Whether this launch of a guarded pair returns at once (RunWhen): every CTA reads the launch's
-// temperatures and reaches the same answer, before it touches the workspace or any output.
+// Whether this guarded launch returns at once (RunWhen): every CTA reads the launch's temperatures
+// and reaches the same answer, before it touches the workspace or any output.
 __device__ __forceinline__ bool SkipsLaunch(const WalkArgs& a) {
   if (a.run_when == kAlways) return false;
-  int samples = 0;
-  for (int b = threadIdx.x; b < a.batch; b += blockDim.x) samples |= a.temperature[b] > 0.0f;
-  return __syncthreads_or(samples) ? a.run_when == kNoRowSamples : a.run_when == kSomeRowSamples;
+  int samples = 0, greedy = 0;
+  for (int b = threadIdx.x; b < a.batch; b += blockDim.x) {
+    const bool sampled = a.temperature[b] > 0.0f;  // InverseTemperature's rule
+    samples |= sampled;
+    greedy |= !sampled;
+  }
+  const bool any_sampled = __syncthreads_or(samples), any_greedy = __syncthreads_or(greedy);
+  const int batch_class = !any_sampled ? kAllGreedy : any_greedy ? kMixedRows : kAllSampled;
+  return (a.run_when & batch_class) == 0;
 }
 
 // A request's 1 / T where it samples, -1 where it is greedy (T = 0, NaN or negative, or no temperatures
