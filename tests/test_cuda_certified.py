@@ -9,10 +9,11 @@ cleanly without one).
   and in two CTAs.
 - Sampled rows are the plain int8 kernel's, and the returned logits are the int8 logits (teacher forced
   along the certified tokens where the greedy rows went another way).
-- `_markov_cuda.certified_stats()`: every greedy decision counted, few columns re-scored on random
-  heads, every row re-scored where the bound cannot be used (an infinite e, an element of e too large
-  for the digits, a logit_scale that could overflow a bias) and lanes that re-score all their rows
-  where many columns tie.
+- `_markov_cuda.certified_stats()`: every greedy decision counted; on random heads the grid's int8
+  keys and bounds certify most choices (few exact rounds, few columns re-scored); every constructed
+  disagreement takes an exact round; every row re-scored where the bound cannot be used (an infinite
+  e, an element of e too large for the digits, a logit_scale that could overflow a bias) and lanes that
+  re-score all their rows where many columns tie.
 Every test draws fresh random inputs from its own seed, printed with its output and reproducible with
 JAX_MARKOV_TEST_SEED=<seed>; outputs land on poisoned (NaN) device memory.
 """
@@ -35,8 +36,9 @@ pytestmark = pytest.mark.skipif(not native.cuda_gpu_available(),
                                 reason="needs a CUDA GPU and the jax_markov CUDA module")
 
 V = 151936
-# On random heads each CTA re-scores its warps' best columns that come near its best so far: a few a
-# CTA and decision, far below V.
+# On random heads the int8 keys and bounds certify most choices; an exact round re-scores the columns
+# of each CTA that come near the grid's int8 best: a few a CTA, far below V.
+MAX_EXACT_ROUND_FRACTION = 0.25
 MAX_RESCORED_FRACTION = 0.02
 MAX_CTA_RESCORED = 64
 
@@ -118,9 +120,27 @@ def test_constructed_disagreements(rng, stats, assert_tokens_match, case, logits
     assert_unquantized_tokens(got, c.base, c.anchor, chead, kw, assert_tokens_match)
     steps = c.base.shape[1]
     assert counted["decisions"] == batch * steps and counted["uncertified"] == 0, counted
+    assert counted["exact_rounds"] >= batch, counted  # each request's step 0
     assert counted["rescored"] >= 2 * batch, counted  # at least both columns of each step-0 pair
     if logits_dtype is not None:
         assert_int8_logits(got, c.base, c.anchor, chead, logits_dtype)
+
+
+@pytest.mark.parametrize("batch,vocab", [(1, 512), (2, 512), (5, 512), (12, 4096)])  # digits, pairs, EREGS
+def test_constructed_disagreement_at_the_last_step(rng, stats, assert_tokens_match, batch, vocab):
+    """one_large_element walked one step: the exact round of the last step, which every CTA takes
+    after the last exchange (not CTA 0 alone, as the plain walk's last choice)."""
+    c = certified_cases.one_large_element(rng, vocab=vocab, batch=batch, steps=1)
+    base = c.base.astype(jnp.bfloat16)
+    chead = jm.quantize(c.head, certified=True)
+    np.testing.assert_array_equal(walk(base, c.anchor, chead.quantized).tokens[:, 0], c.int8)
+    stats()
+    got = walk(base, c.anchor, chead)
+    counted = stats()
+    np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
+    assert counted["decisions"] == batch and counted["exact_rounds"] == batch, counted
+    # the next call on the stream finds the workspace cleared: the same walk again
+    np.testing.assert_array_equal(walk(base, c.anchor, chead).tokens, got.tokens)
 
 
 def placed_pairs(placement, batch, plan):
@@ -167,6 +187,7 @@ def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, place
     np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
     assert_unquantized_tokens(got, base, c.anchor, chead, kw, assert_tokens_match)
     assert counted["decisions"] == batch * 4 and counted["uncertified"] == 0, counted
+    assert counted["exact_rounds"] >= batch and counted["rescored"] >= 2 * batch, counted
     if logits_dtype is not None:
         assert_int8_logits(got, base, c.anchor, chead, logits_dtype)
 
@@ -197,14 +218,14 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
     assert_unquantized_tokens(got, base, anchor, chead, kw, assert_tokens_match)
     decisions = batch * 7
     assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
-    assert counted["cta_sets"] >= decisions, counted  # every CTA with rows re-scores its best at least
+    assert counted["exact_rounds"] <= MAX_EXACT_ROUND_FRACTION * decisions, counted
     assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
     assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
-    # A lane whose third-best column reaches the threshold re-scores all its rows: about once a
-    # decision on these heads (15 in 14 decisions on an H100), counted in "rescored" above.
+    # In an exact round, a lane whose second-best column reaches the threshold re-scores all its rows.
     assert counted["lane_fallbacks"] <= 3 * decisions, counted
-    print(f"certified ({plan['name']}): {counted['rescored'] / decisions:.1f} columns re-scored a decision, "
-          f"{counted['rescored'] / counted['cta_sets']:.2f} a CTA, {counted['lane_fallbacks']} lane fallbacks")
+    print(f"certified ({plan['name']}): {counted['exact_rounds']} exact rounds in {decisions} decisions, "
+          f"{counted['rescored']} columns re-scored by {counted['cta_sets']} CTAs, {counted['lane_fallbacks']} lane "
+          f"fallbacks")
     if logits_dtype is not None:
         assert_int8_logits(got, base, anchor, chead, logits_dtype)
 
@@ -230,7 +251,7 @@ def test_eregs_constructed_disagreements(rng, stats, assert_tokens_match, vocab)
     np.testing.assert_array_equal(got.tokens[:, 0], c.exact)
     assert_unquantized_tokens(got, base, c.anchor, chead, {}, assert_tokens_match)
     assert counted["decisions"] == batch * 4 and counted["uncertified"] == 0, counted
-    assert counted["rescored"] >= 2 * batch, counted
+    assert counted["exact_rounds"] >= batch and counted["rescored"] >= 2 * batch, counted
 
 
 @pytest.mark.parametrize("logits_dtype", [None, jnp.bfloat16])
@@ -306,8 +327,8 @@ def test_masked_padding_nan_d2t_and_logit_scale(rng, assert_tokens_match):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_masked_vocabulary(rng, stats, assert_tokens_match, batch):
     """Base logits of -inf outside one range of 4096 columns (a constrained decoder's mask): most CTAs
-    hold masked rows only, their best is -inf and every lane re-scores all its rows, which reads no
-    unquantized W2 row where the base is -inf; the tokens are the unquantized walk's."""
+    hold masked rows only, and their best, -inf, is far below any bound of the winner's: the int8 keys
+    certify most choices as on unmasked heads; the tokens are the unquantized walk's."""
     head, chead = random_heads(rng, V, w1_dtype=jnp.bfloat16)
     base = np.full((batch, 7, V), -np.inf, np.float32)
     lo = int(rng.integers(0, V - 4096))
@@ -321,7 +342,7 @@ def test_masked_vocabulary(rng, stats, assert_tokens_match, batch):
     assert_unquantized_tokens(got, base, anchor, chead, {}, assert_tokens_match)
     decisions = batch * 7
     assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
-    assert counted["lane_fallbacks"] > 0, counted  # the masked CTAs' lanes
+    assert counted["exact_rounds"] <= MAX_EXACT_ROUND_FRACTION * decisions, counted
     assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
 
 
@@ -358,9 +379,10 @@ def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_to
 @pytest.mark.parametrize("batch", [2, 4, 12])  # the digit kernel, the digit pairs, EREGS
 def test_ties_make_lanes_rescore_all_their_rows(rng, stats, batch):
     """W2 rows repeating every 8 rows and base logits too: the best class ties at thousands of columns.
-    At this V every warp scores two tiles or more, so that a lane's rows (g and g + 8 of each, one
-    class; EREGS: 8h + 2t + c) hold three candidates or more and it re-scores all of them; the lowest
-    index still wins, as in the unquantized walk."""
+    The grid's int8 keys cannot single out a choice (the winner's CTA has its second at the same
+    score): every decision takes an exact round. At this V every warp scores two tiles or more, so that
+    a lane's rows (g and g + 8 of each, one class; EREGS: 8h + 2t + c) hold two candidates or more and
+    it re-scores all of them; the lowest index still wins, as in the unquantized walk."""
     vocab = 69632  # 33 tiles a CTA on 132 SMs
     w1 = jnp.asarray(rng.standard_normal((vocab, 256)), jnp.bfloat16)
     w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
@@ -373,7 +395,7 @@ def test_ties_make_lanes_rescore_all_their_rows(rng, stats, batch):
     want = walk(base, anchor, head, "reference")
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert np.all(np.asarray(got.tokens) < 8)
-    assert counted["lane_fallbacks"] > 0, counted
+    assert counted["exact_rounds"] == batch * 3 and counted["lane_fallbacks"] > 0, counted
 
 
 def test_decode_loop_and_auto(rng, stats):

@@ -46,16 +46,22 @@ struct WalkSmem {
   }
 };
 
-// A certified walk's state (the CERT instances, up to kCertBatch requests): per request
-// the CTA's exact key of the step, its margin and the step's counts for the stats (columns re-scored,
-// lanes that re-scored all their rows); per warp the largest W2 scale and residual norm of its rows
-// (as bits), which give the CTA's once a launch; then each request's e of the step as floats, for the
-// warps that re-score (one shared-memory read, not an L2 round trip ahead of the W2 rows' loads).
+// A certified walk's state (the CERT instances, up to kCertBatch requests): per request the CTA's
+// second-best int8 score of the step (ordered), its margin at steps of each parity (published at the
+// end of a step while the next step's is made), the grid's threshold where the step's choice takes an
+// exact round, the CTA's exact key of that round and its counts for the stats (columns re-scored,
+// lanes that re-scored all their rows); the requests of each step parity that take an exact round;
+// per warp the largest W2 scale and residual norm of its rows (as bits), which give the CTA's once a
+// launch; then each request's e of the step as floats, for the warps that re-score (one shared-memory
+// read, not an L2 round trip ahead of the W2 rows' loads).
 struct CertSmem {
   static constexpr int kExact = 0;                                  // unsigned long long [kCertBatch]
-  static constexpr int kMargin = kExact + 8 * kCertBatch;           // float [kCertBatch]
-  static constexpr int kCounts = kMargin + 4 * kCertBatch;          // unsigned int [kCertBatch][2]
-  static constexpr int kMaxima = kCounts + 8 * kCertBatch;          // unsigned int [kMaxWarps][2]
+  static constexpr int kSecond = kExact + 8 * kCertBatch;           // unsigned int [kCertBatch]
+  static constexpr int kMargin = kSecond + 4 * kCertBatch;          // float [2][kCertBatch]
+  static constexpr int kThreshold = kMargin + 8 * kCertBatch;       // float [kCertBatch]
+  static constexpr int kCounts = kThreshold + 4 * kCertBatch;       // unsigned int [kCertBatch][2]
+  static constexpr int kRounds = kCounts + 8 * kCertBatch;          // unsigned int [2]
+  static constexpr int kMaxima = kRounds + 8;                       // unsigned int [kMaxWarps][2]
   static constexpr int kE = (kMaxima + 8 * kMaxWarps + 15) / 16 * 16;  // float [batch][256]
   MARKOV_HOST_DEVICE static constexpr int Bytes(int batch) { return kE + batch * kRank * int(sizeof(float)); }
 };

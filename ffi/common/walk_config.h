@@ -27,6 +27,9 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
+// The workspace's words: the keys (kSlotWords), then for a certified walk the bounds beside each
+// direct slot's key and the exact keys of its exact rounds (certified.cuh), each at the key's index.
+constexpr int kBoundsWords = kSlotWords, kExactWords = 2 * kSlotWords, kWorkspaceWords = 3 * kSlotWords;
 // The requests a launch of a certified walk (a CertifiedMarkovHead) takes: 1-2 in the digit kernel,
 // 9-16 in EREGS (kCertBatch).
 constexpr int kCertDigitBatch = 2;
@@ -37,11 +40,12 @@ MARKOV_HOST_DEVICE constexpr size_t AtomicKey(int k, int b) { return size_t(k * 
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // The counters of a certified walk (WalkArgs::cert_stats, the CUDA module's certified_stats()): greedy
-// (request, step) decisions, those whose bound could not be used, columns re-scored exactly in all
-// and at most by one CTA for one decision, (decision, CTA) pairs that re-scored a column, and lanes
-// that re-scored all their rows (three or more candidates, or no usable bound).
-enum CertStat : int { kCertDecisions, kCertUncertified, kCertRescored, kCertMaxCtaRescored, kCertCtaSets, kCertLaneFallbacks,
-                      kCertStats };
+// (request, step) decisions, those whose bound could not be used, those that took an exact round (the
+// exchange's int8 keys did not certify the choice), columns re-scored exactly in all and at most by
+// one CTA for one decision, (decision, CTA) pairs that re-scored a column, and lanes that re-scored
+// all their rows (two or more candidates, or no usable bound).
+enum CertStat : int { kCertDecisions, kCertUncertified, kCertExactRounds, kCertRescored, kCertMaxCtaRescored, kCertCtaSets,
+                      kCertLaneFallbacks, kCertStats };
 // W2's storage: int8 rows with fp32 scales, or the unquantized fp16 / bf16 rows of a MarkovHead.
 enum W2Format : int { kW2Int8 = 0, kW2F16 = 1, kW2BF16 = 2 };
 // MarkovWalkKernel's instances for launches whose form is known when the kernel is chosen: any launch,

@@ -60,7 +60,7 @@ cudaError_t GetWorkspace(int device, cudaStream_t stream, Workspace* out) {
     *out = it->second;
     return cudaSuccess;
   }
-  const size_t slot_bytes = sizeof(unsigned long long) * kSlotWords, bytes = slot_bytes + 2 * sizeof(unsigned int);
+  const size_t slot_bytes = sizeof(unsigned long long) * kWorkspaceWords, bytes = slot_bytes + 2 * sizeof(unsigned int);
   void* mem = nullptr;
   const cudaError_t err = OutsideCapture([&] {
     cudaStream_t zeroing;

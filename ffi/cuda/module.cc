@@ -41,7 +41,8 @@ NB_MODULE(_markov_cuda, m) {
         std::vector<unsigned long long> words;
         const cudaError_t err = jax_markov::CertifiedStats(ordinal, reset, &words);
         if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
-        static const char* names[] = {"decisions", "uncertified", "rescored", "max_cta_rescored", "cta_sets", "lane_fallbacks"};
+        static const char* names[] = {"decisions", "uncertified", "exact_rounds", "rescored", "max_cta_rescored", "cta_sets",
+                                      "lane_fallbacks"};
         static_assert(sizeof(names) / sizeof(names[0]) == jax_markov::walk::kCertStats, "a name per counter");
         nb::dict d;
         for (int i = 0; i < jax_markov::walk::kCertStats; ++i) d[names[i]] = words[i];
@@ -50,10 +51,10 @@ NB_MODULE(_markov_cuda, m) {
       nb::arg("ordinal") = 0, nb::arg("reset") = false,
       "What the certified walks (CertifiedMarkovHead) on CUDA device `ordinal` re-scored since enable_certified_stats "
       "(or the last reset): greedy (request, step) decisions; those whose bound could not be used (non-finite e, a "
-      "bias that could overflow, or unusable scales or residual norms: every row re-scored); columns re-scored "
-      "exactly from their unquantized W2 rows (masked columns and the padding need none) in all and at most by one "
+      "bias that could overflow, or unusable scales or residual norms: every row re-scored); those that took an "
+      "exact round (the grid's int8 keys and bounds did not single out the choice); columns re-scored exactly from their unquantized W2 rows (masked columns and the padding need none) in all and at most by one "
       "CTA for one decision; (decision, CTA) pairs that re-scored a column; lanes "
-      "that re-scored all their rows (three candidates or more, or no usable bound). Waits for the device.");
+      "that re-scored all their rows (two candidates or more, or no usable bound). Waits for the device.");
 #ifdef JAX_MARKOV_TIMELINE
   m.def(
       "read_timeline",

@@ -262,6 +262,10 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
   if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
+  if (call.certified && props.sm_count > kDirectMaxCtas) {
+    return "the certified walk exchanges through one slot per SM, for up to " + std::to_string(kDirectMaxCtas) +
+           " SMs; this GPU has " + std::to_string(props.sm_count);
+  }
   if (call.certified && !CertifiedDigits(call) && !CertifiedPairs(call) && !CertifiedEregs(call)) {
     return "the CUDA kernel walks a CertifiedMarkovHead for B <= 8 requests (3-8 with logits out only from a "
            "bfloat16 W1), or 9 to " + std::to_string(kCertBatch) +

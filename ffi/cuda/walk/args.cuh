@@ -25,7 +25,7 @@ struct WalkArgs {
   int32_t* tokens;  // [B, K]
   void* logits;  // [B, K, V] or null
   void* embeds;  // [B, K, 256] or null
-  unsigned long long* slots;  // [kSlotWords], zero on entry and exit
+  unsigned long long* slots;  // [kWorkspaceWords], zero on entry and exit
   unsigned int* counters;  // [2]: arrivals, departures; zero on entry and exit
   int batch, steps, vocab, v_target, vocab_size;
   int base_dtype, w1_dtype, logits_dtype;

@@ -10,16 +10,11 @@ namespace jax_markov {
 namespace walk {
 
 // A row's key folded into the best of owned slot i. A certified walk also keeps the slot's
-// second-best key and the third-best ordered score (certified.cuh: a lane with three candidates
+// second-best ordered score (certified.cuh: the CTA's second best, and a lane with two candidates
 // re-scores all its rows), with no branches.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::Keep(unsigned long long& best, int i, unsigned long long key) const {
-  if constexpr (CERT) {
-    const unsigned long long low = key > best ? best : key;  // what best does not keep
-    const unsigned long long low2 = low > runner_up[i] ? runner_up[i] : low;
-    runner_up[i] = low > runner_up[i] ? low : runner_up[i];
-    third[i] = max(third[i], uint32_t(low2 >> 32));
-  }
+  if constexpr (CERT) lane_second[i] = max(lane_second[i], uint32_t(min(key, best) >> 32));  // what best does not keep
   best = key > best ? key : best;
 }
 

@@ -69,8 +69,8 @@ struct WalkCta {
   unsigned char *out_buffer, *resident;
   // A certified walk's state (CertSmem; certified.cuh).
   unsigned long long* cert_exact;
-  float *cert_margin, *cert_e;
-  unsigned int *cert_counts, *cert_maxima;
+  float *cert_margin, *cert_threshold, *cert_e;
+  unsigned int *cert_second, *cert_counts, *cert_rounds, *cert_maxima;
   uint32_t out_column;     // this lane's stmatrix column address in out_buffer
   uint32_t resident_lane;  // this lane's 16 bytes of resident tile 0, as a shared address
   int stage_rows;       // the CTA's rows (tiles_per_cta x 16)
@@ -87,10 +87,10 @@ struct WalkCta {
   bool any_sampled, plain, noise_free;
   // The streamed tile in flight into registers: the next one this warp scores.
   uint4 pre[kChunks];
-  // A certified walk: each owned slot's second-best key of the step and the third-best ordered score
-  // (Keep), beside its best.
-  mutable unsigned long long runner_up[CERT ? kSlots : 1];
-  mutable uint32_t third[CERT ? kSlots : 1];
+  // A certified walk: each owned slot's best key of the step and its second-best ordered score (Keep),
+  // kept until the next step's choice for the exact round, where one is taken.
+  unsigned long long lane_best[CERT ? kSlots : 1];
+  mutable uint32_t lane_second[CERT ? kSlots : 1];
 
   __device__ __forceinline__ WalkCta(const WalkArgs& args, unsigned char* smem);
   __device__ __forceinline__ int RowOf(int local_tile) const { return (first_tile + local_tile) * kTileRows; }
@@ -99,6 +99,7 @@ struct WalkCta {
   __device__ __forceinline__ void Start();
   __device__ __forceinline__ void IssueAndWait(int k);
   __device__ __forceinline__ void Choose(int k);
+  __device__ __forceinline__ void BuildOperands(int b, int k, const uint4 (&raw)[2]);
   __device__ __forceinline__ void FillNoiseOfStep(int k);
   __device__ __forceinline__ void Score(int k, unsigned long long (&best)[kSlots]);  // score.cuh
   __device__ __forceinline__ void Reduce(int k, unsigned long long (&best)[kSlots]);
@@ -110,15 +111,19 @@ struct WalkCta {
   __device__ __forceinline__ float UnscaleOf(const float (&unscale_of)[kUnscaleSlots], int i) const;
 
   // A certified walk (certified.cuh): the CTA's largest scale and residual norm, a request's margin
-  // with its e, each warp's candidates re-scored exactly, the CTA's exact keys taken for publishing.
+  // with its e, the CTA's keys and bounds published, the choices certified from the grid's, and the
+  // exact round of the choices they do not single out.
   __device__ __forceinline__ void StartCertificate();
-  __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2]);
-  __device__ __forceinline__ void Certify(int k, int i, unsigned long long own, unsigned long long cur);
+  __device__ __forceinline__ void CertifyE(int b, int k, const uint4 (&raw)[2]);
+  __device__ __forceinline__ void PublishCertified(int k);
+  __device__ __forceinline__ void ChooseCertified(int k);
+  __device__ __forceinline__ void ChooseCertifiedPass(int k, unsigned redo, unsigned& failed);
+  __device__ __forceinline__ void ExactRound(int k, unsigned redo);
+  __device__ __forceinline__ void RescoreCandidates(int k, int i, unsigned redo);
   template <bool SKIP_MASKED>
   __device__ __forceinline__ unsigned long long RescoreColumns(int r, int k, const float (&e)[8],
                                                                const int (&cols)[T::kRescoreBatch],
                                                                int& rows_read) const;
-  __device__ __forceinline__ void AdoptExactKeys();
 
   // The epilogues (epilogue.cuh): a tile's l, score and key for each owned request.
   __device__ __forceinline__ void Keep(unsigned long long& best, int i, unsigned long long key) const;
@@ -184,8 +189,11 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   }
   if constexpr (CERT) {
     cert_exact = reinterpret_cast<unsigned long long*>(smem + parts.cert + CertSmem::kExact);
+    cert_second = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kSecond);
     cert_margin = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kMargin);
+    cert_threshold = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kThreshold);
     cert_counts = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kCounts);
+    cert_rounds = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kRounds);
     cert_maxima = reinterpret_cast<unsigned int*>(smem + parts.cert + CertSmem::kMaxima);
     cert_e = reinterpret_cast<float*>(smem + parts.cert + CertSmem::kE);
   }
@@ -310,54 +318,58 @@ __device__ __forceinline__ void WalkCta<T>::Choose(int k) {
     for (int u = 0; u < kRowsPerPass; ++u) {
       const int b = first + u * kWarps;
       if (b >= batch) break;
-      if constexpr (DIGITS) {
-        BuildDigits(a, b, k, lane, w1_raw[u], digits, unscale);
-        if constexpr (CERT) CertifyE(b, w1_raw[u]);
-      } else if constexpr (EREGS) {
-        BuildDigitPairOperands(a, b, k, lane, w1_raw[u], frag, unscale);
-        if constexpr (CERT) CertifyE(b, w1_raw[u]);
-      } else if constexpr (PAIRS) {
-        BuildDigitPairs<NT>(a, b, k, lane, w1_raw[u], frag, unscale);
-        if constexpr (CERT) CertifyE(b, w1_raw[u]);
-      } else {
-        BuildFragments<NT, SPLIT, W2, T::kWgmma>(a, b, k, lane, w1_raw[u], frag, unscale);
-      }
+      BuildOperands(b, k, w1_raw[u]);
     }
   }
 }
 
+// Request b's e = W1[prev_b] (lane L: its words 8L .. 8L+7, raw) as step k's MMA operands (a certified
+// walk also records its margin and e).
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::BuildOperands(int b, int k, const uint4 (&raw)[2]) {
+  if constexpr (DIGITS) {
+    BuildDigits(a, b, k, lane, raw, digits, unscale);
+  } else if constexpr (EREGS) {
+    BuildDigitPairOperands(a, b, k, lane, raw, frag, unscale);
+  } else if constexpr (PAIRS) {
+    BuildDigitPairs<NT>(a, b, k, lane, raw, frag, unscale);
+  } else {
+    BuildFragments<NT, SPLIT, W2, T::kWgmma>(a, b, k, lane, raw, frag, unscale);
+  }
+  if constexpr (CERT) CertifyE(b, k, raw);
+}
+
 // The best key of each owned request over the 8 lanes that share t (EREGS: the 4 that share g), then
-// across the CTA's warps in shared memory. A certified walk's warp then re-scores its candidates
-// against the CTA's best key so far (Certify) and the CTA publishes the exact keys of greedy rows.
+// across the CTA's warps in shared memory. A certified walk also keeps each lane's best key and takes
+// the CTA's second-best score: pairs of (best key, second score) merge as the keys do, and a warp's
+// atomicMax on the CTA's best tells it which of its best and the best it displaced is second.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::Reduce(int k, unsigned long long (&best)[kSlots]) {
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
-    unsigned long long own = 0;  // a certified walk: this lane's own best, before the reduction
-    if constexpr (CERT) own = best[i];
+    uint32_t second = 0;
+    if constexpr (CERT) {
+      lane_best[i] = best[i];
+      second = lane_second[i];
+    }
 #pragma unroll
     for (int m = EREGS ? 1 : 4; m < (EREGS ? 4 : 32); m <<= 1) {
       const unsigned long long other = __shfl_xor_sync(0xffffffffu, best[i], m);
+      if constexpr (CERT) second = max(max(second, __shfl_xor_sync(0xffffffffu, second, m)), uint32_t(min(other, best[i]) >> 32));
       best[i] = other > best[i] ? other : best[i];
     }
     if (DIGITS && LogitsForm(FORM)) {  // the split-row epilogue: lane t + 1 holds the keys of rows g + 8
       const unsigned long long other = __shfl_down_sync(0xffffffffu, best[i], 1);
+      if constexpr (CERT) second = max(max(second, __shfl_down_sync(0xffffffffu, second, 1)), uint32_t(min(other, best[i]) >> 32));
       best[i] = other > best[i] ? other : best[i];
     }
     const int rq = SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g);
-    if constexpr (CERT) {
-      // The CTA's best key so far of this lane's request, from the lane that published it: lane t
-      // (g = 0) of the warp, EREGS's lane 4g (t = 0).
-      unsigned long long before = 0;
-      if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) before = atomicMax(&cta_best[rq], best[i]);
-      const unsigned long long cur = __shfl_sync(0xffffffffu, before > best[i] ? before : best[i], EREGS ? 4 * g : t);
-      Certify(k, i, own, cur);
-    } else {
-      if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) atomicMax(&cta_best[rq], best[i]);
+    if ((EREGS ? t : g) == 0 && rq < batch && best[i] != 0) {
+      const unsigned long long before = atomicMax(&cta_best[rq], best[i]);
+      if constexpr (CERT) atomicMax(&cert_second[rq], max(second, uint32_t(min(before, best[i]) >> 32)));
     }
   }
   __syncthreads();
-  if constexpr (CERT) AdoptExactKeys();
 }
 
 // The workspace is left zeroed for the next call on this stream, with no grid-wide arrival for the
@@ -367,7 +379,7 @@ __device__ __forceinline__ void WalkCta<T>::Reduce(int k, unsigned long long (&b
 // exchange the last CTA out clears the keys and the counters.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::Finish() {
-  if (direct) {
+  if (direct && !CERT) {
     if (blockIdx.x == 0) {
       __syncthreads();
       const int first = max(0, steps - 2) * batch * gridDim.x;
@@ -382,7 +394,17 @@ __device__ __forceinline__ void WalkCta<T>::Finish() {
     __threadfence();
   }
   __syncthreads();
-  if (*last_out) {
+  if (CERT && direct && *last_out) {
+    // A certified walk's every CTA gathered the last step's keys (where the exact round needs them all):
+    // the last one out clears the last two steps' words of the three kinds (certified.cuh).
+    const size_t first = size_t(max(0, steps - 2)) * batch * gridDim.x, end = size_t(steps) * batch * gridDim.x;
+    for (size_t i = first + tid; i < end; i += THREADS) {
+      a.slots[i] = 0;
+      a.slots[kBoundsWords + i] = 0;
+      a.slots[kExactWords + i] = 0;
+    }
+    if (tid == 0) a.counters[1] = 0;
+  } else if (*last_out) {
     if constexpr (DIGITS) {
       // The whole range of the atomic keys: the written words' index below left this kernel two
       // registers spilled and reloaded every step.
@@ -419,10 +441,16 @@ __global__ void __launch_bounds__(T::THREADS, 1) MarkovWalkKernel(const WalkArgs
   Stamp(a, 0, 2);
   // With the direct exchange only CTA 0 reads the last step's keys: it writes the tokens and clears
   // the slots. (A loop bound: an exit from the loop at that step spilled in the tile loop.)
-  const int last = cta.direct && blockIdx.x != 0 ? a.steps - 1 : a.steps;
+  // A certified walk's every CTA takes the last step's choices, for the exact round they may need.
+  const int last = cta.direct && blockIdx.x != 0 && !T::CERT ? a.steps - 1 : a.steps;
   for (int k = 0; k <= last; ++k) {
     if (k > 0) cta.IssueAndWait(k);
-    cta.Choose(k);
+    if constexpr (T::CERT) {
+      if (k > 0) cta.ChooseCertified(k);
+      else cta.Choose(k);
+    } else {
+      cta.Choose(k);
+    }
     if (k == a.steps) {
       Stamp(a, k, 3);
       break;
@@ -433,7 +461,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) MarkovWalkKernel(const WalkArgs
     cta.Reduce(k, best);
     Stamp(a, k, 4);
     // The wait comes at the top of the next step, after its prefetches are issued.
-    PublishKeys(a, k, cta.direct, a.batch, a.steps, cta.cta_best, cta.tid);
+    if constexpr (T::CERT) cta.PublishCertified(k);
+    else PublishKeys(a, k, cta.direct, a.batch, a.steps, cta.cta_best, cta.tid);
     Stamp(a, k, 5);
   }
   cta.Finish();

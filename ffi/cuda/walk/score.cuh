@@ -90,10 +90,7 @@ __device__ __forceinline__ void WalkCta<T>::Score(int k, unsigned long long (&be
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     best[i] = 0;
-    if constexpr (CERT) {
-      runner_up[i] = 0;
-      third[i] = 0;
-    }
+    if constexpr (CERT) lane_second[i] = 0;
     if constexpr (!T::kUnscaleFromSmem) unscale_of[i] = unscale[min(SlotRequest<SPLIT, DIGITS, EREGS>(i, t, g), batch - 1)] * a.logit_scale;
   }
   // Step 0 lands the resident tiles before the tile loop, not in it: the loop's step-0 branches cost
