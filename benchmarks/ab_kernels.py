@@ -112,6 +112,28 @@ def summary(runs: dict[str, list[dict[str, list[float]]]], configs: list[str]) -
     return "\n".join(lines)
 
 
+def rounds_from_log(text: str) -> tuple[list[str], dict[str, list[dict[str, list[float]]]]]:
+    """The configs and each tree's finished rounds from an ab_durations.log (its first line names the
+    configs; each "== TREE round R: ..." line holds a round's launches, config by config), so that a run
+    cut short by a time limit still gives its table (--from-log)."""
+    lines = text.splitlines()
+    configs = lines[0].rsplit(" of ", 1)[1].split()
+    runs: dict[str, list[dict[str, list[float]]]] = {}
+    for line in lines[1:]:
+        if not line.startswith("== "):
+            continue
+        head, values = line[3:].split(": ", 1)
+        durations, i = {}, 0
+        numbers = [float(v) for v in values.split()]
+        for c in configs:
+            durations[c] = numbers[i:i + launches(c)]
+            i += launches(c)
+        if i != len(numbers):
+            raise ValueError(f"{head}: {len(numbers)} launches, the configs make {i}")
+        runs.setdefault(head.rsplit(" round ", 1)[0], []).append(durations)
+    return configs, runs
+
+
 def parse_tokens(output: str) -> dict[str, str]:
     """The fingerprint per config from `profile_kernel.py --tokens` ("TOKENS <config> <fingerprint>")."""
     found = {}
@@ -199,8 +221,21 @@ def main() -> None:
                    "(built elsewhere for this machine's Python)")
     p.add_argument("--tokens", default="", help="configs (space-separated) whose tokens and logits each tree "
                    "prints first, compared with the first tree's (tokens.md)")
-    p.add_argument("trees", nargs="+", help="source trees, then -- and the configs V,K,B,mode[,head]")
+    p.add_argument("--from-log", help="write ab_kernels.md from this ab_durations.log's finished rounds (a run cut "
+                   "short), measuring nothing")
+    p.add_argument("trees", nargs="*", help="source trees, then -- and the configs V,K,B,mode[,head]")
     argv = sys.argv[1:]
+    if "--from-log" in argv:
+        args = p.parse_args(argv)
+        configs, runs = rounds_from_log(Path(args.from_log).read_text())
+        rounds = sorted({len(r) for r in runs.values()})
+        table = summary(runs, configs)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ab_kernels.md").write_text(f"# Kernel A/B ({' or '.join(map(str, rounds))} rounds a tree, from "
+                                           f"{Path(args.from_log).name}; median us per launch)\n\n{table}\n")
+        print(table)
+        return
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         p.error("no configs: give them after --")
     args = p.parse_args(argv[:argv.index("--")])

@@ -123,3 +123,20 @@ def test_trees_whose_folders_share_a_name_are_refused(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/ab_kernels.py", "--out", str(tmp_path), *trees, "--", "5003,3,3,greedy"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     assert done.returncode == 2 and "distinct names, got ['main', 'main']" in done.stderr
+
+
+def test_a_log_cut_short_gives_the_table_of_its_finished_rounds(tmp_path):
+    """--from-log: a run stopped by a time limit (tree b measured once) still gives its medians."""
+    log = tmp_path / "ab_durations.log"
+    log.write_text("# python3 benchmarks/profile_kernel.py --device-times CONFIGS, a run a tree of 5003,3,2,greedy "
+                   "5003,3,70,greedy\n"
+                   "== a round 1: 10.00 11.00 12.00 1.00 2.00 3.00 4.00 5.00 6.00\n"
+                   "== b round 1: 20.00 21.00 22.00 1.00 2.00 3.00 4.00 5.00 6.00\n"
+                   "== a round 2: 13.00 14.00 15.00 1.00 2.00 3.00 4.00 5.00 6.00\n")
+    configs, runs = ab_kernels.rounds_from_log(log.read_text())
+    assert configs == ["5003,3,2,greedy", "5003,3,70,greedy"]
+    assert [len(r) for r in runs.values()] == [2, 1]
+    assert runs["a"][1]["5003,3,2,greedy"] == [13.0, 14.0, 15.0] and runs["b"][0]["5003,3,70,greedy"] == [1, 2, 3, 4, 5, 6]
+    assert ab_kernels.summary(runs, configs).splitlines()[2] == "| 5003,3,2,greedy | 12.5 | 21.0 | +68.0 % |"
+    with pytest.raises(ValueError, match="launches"):
+        ab_kernels.rounds_from_log(log.read_text() + "== b round 2: 1.00\n")
