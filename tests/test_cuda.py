@@ -161,6 +161,13 @@ def test_parity_small_batch_digits(check_parity, batch, w1_dtype):
     check_parity(base, anchor, head, kw)
 
 
+def padding_d2t_and_scale(rng, vocab, v_target):
+    """The walk's extras: d2t onto a target vocabulary of v_target, padding past vocab_size and a
+    logit_scale."""
+    d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
+    return dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
+
+
 # 9-16 greedy requests with no logits out, bf16 base logits and an even V score on e's int8 digit pairs as
 # the A operand (EREGS; check_parity's walk without logits): every W1 dtype (tokens only), V = 30010 (the
 # staged base logits, a last tile half outside V) and 100002 (not staged, tiles streamed), padding past
@@ -171,10 +178,7 @@ def test_parity_e_operands(check_parity, batch, vocab, w1_dtype, extras):
     rng = np.random.default_rng(batch + vocab)
     v_target = vocab + 3000 if extras else vocab
     base, anchor, head, kw = make_case(rng, batch, 5, vocab, v_target=v_target, w1_dtype=w1_dtype)
-    walk_kw = {}
-    if extras:
-        d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
-        walk_kw = dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
+    walk_kw = padding_d2t_and_scale(rng, vocab, v_target) if extras else {}
     check_parity(base, anchor, head, kw, **walk_kw)
 
 
@@ -187,10 +191,7 @@ def test_parity_e_operands_bf16_logits(check_parity, batch, vocab, w1_dtype, ext
     rng = np.random.default_rng(batch * vocab)
     v_target = vocab + 3000 if extras else vocab
     base, anchor, head, kw = make_case(rng, batch, 5, vocab, v_target=v_target, w1_dtype=w1_dtype)
-    walk_kw = {}
-    if extras:
-        d2t = jnp.asarray(np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab), jnp.int32)
-        walk_kw = dict(d2t=d2t, vocab_size=vocab - 41, logit_scale=0.7)
+    walk_kw = padding_d2t_and_scale(rng, vocab, v_target) if extras else {}
     (plan,) = native.cuda_launch_plan(batch, 5, vocab, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
                                       logits_dtype=jnp.bfloat16)
     assert "eregs" in plan["name"] and "form=bf16_logits" in plan["name"], plan

@@ -209,7 +209,8 @@ __device__ __forceinline__ void WalkCta<T>::PublishCertified(int k) {
 // A greedy request's choice of a step from every CTA's key and bounds word (keys, bounds: its slots),
 // once all are published: the grid's best key (returned) and whether the bounds certify it (the comment
 // at the top); threshold gets T' for the exact round (-inf where no bound can be used). The whole warp
-// calls it; every lane gets the same.
+// calls it; every lane gets the same. (GatherKey's poll for two arrays: one template for both changed
+// the plain EREGS and digit-pair instances' code, nvcc 13.0.)
 __device__ __forceinline__ unsigned long long GatherCertified(const unsigned long long* keys, const unsigned long long* bounds,
                                                               int lane, int dtype, bool& certified, float& threshold) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
