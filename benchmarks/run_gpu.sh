@@ -9,7 +9,8 @@
 # h100 or h200: benchmarks/gpu_timing.py's results_name of nvidia-smi's name). Into OUT_DIR:
 #   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_certified.py, test_design_floor.py and
 #               test_command_buffers.py, six shards side by side
-#   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes
+#   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes and on the
+#               certified walk's exact-round GPU tests
 #   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
 #               options after --; the whole table takes longer than one command may, so give each call a
 #               few rows (--rows V,K,B ...) and join the calls' <gpu>.json with gpu_timing.py --merge
@@ -141,6 +142,10 @@ for part in "${parts[@]}"; do
       # 151936,2,1,greedy,bf16 in the bf16 head's kernel. One sanitizer run a shape here: memcheck
       # once crashed (a segmentation fault, no error reported) on the third in one process.
       streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,12,greedy-logits 151936,2,1,greedy,bf16 151936,2,1,greedy,certified 151936,2,16,greedy,certified"
+      # The certified walk's exact round (the grid's int8 keys do not single out a choice): rare on
+      # profile_kernel.py's heads, taken by every decision of the GPU tests of ties and of a
+      # disagreement at the last step (the digit kernel, the digit pairs, EREGS).
+      exact_rounds="ties_make_lanes_rescore_all_their_rows or disagreement_at_the_last_step"
       # memcheck and racecheck side by side (each in its own processes).
       pids=()
       for tool in memcheck racecheck; do
@@ -150,6 +155,8 @@ for part in "${parts[@]}"; do
             compute-sanitizer --tool $tool python3 benchmarks/profile_kernel.py $shapes 2>&1 ||
               echo "# compute-sanitizer exited with status $? on $shapes"
           done
+          compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider tests/test_cuda_certified.py \
+            -k "$exact_rounds" 2>&1 || echo "# compute-sanitizer exited with status $? on the tests $exact_rounds"
         } > "$out/${gpu}_$tool.log" &
         pids+=($!)
       done
