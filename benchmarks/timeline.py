@@ -13,15 +13,20 @@ Phases of step k, per CTA (medians over CTAs, in us):
            the loads of the resident W2 tiles issued)
   wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier (batches up to
            16 wait for the keys themselves, in `e ready`)
-  e ready  the chosen token's key, its W1 row and the B fragments built from it
+  e ready  the chosen token's key, its W1 row and the B fragments built from it (a certified walk:
+           also the certificate from every CTA's bounds, the exact round where one is taken, and
+           the step's margin)
   score    the CTA's tiles scored and reduced to one key per request; of it, `after scoring` is
            from the CTA's last warp done with its tiles to the end of the reduction (a certified
-           walk's re-scoring of its candidates and the CTA barrier)
-  publish  the keys published and the arrival counted
+           walk also merges the second-best scores) and the CTA barrier
+  publish  the keys published (a certified walk: with their bounds words) and the arrival counted
 and across CTAs: `arrival spread` (last CTA's arrival minus the median arrival) and `release`
 (the last arrival to the median CTA's end of wait at the next step). With the direct exchange only
 CTA 0 waits for the last step's keys (the other CTAs end after publishing them): the last step's
-`release` and `step` are CTA 0's.
+`release` and `step` are CTA 0's. A certified walk's every CTA waits for them (an exact round at the
+last step needs every CTA). For a certified config the report also states the walk's counters
+(greedy decisions, exact rounds, columns re-scored: `certified_stats`), from its launches run again
+once every timeline is taken (the counters' atomics stay on from then on).
 """
 from __future__ import annotations
 
@@ -84,6 +89,17 @@ def summarize(phases, warps, steps: int) -> tuple[list[dict], dict]:
     return rows, totals
 
 
+def certified_counts(spec: str) -> dict:
+    """The certified walk's counters (`certified_stats`: greedy decisions, exact rounds, columns
+    re-scored, ...) over the launches that `profile_kernel.run` makes of a certified config, run again
+    with the counters on: the same inputs, so the same choices as the timed launches."""
+    ordinal = jax.devices("cuda")[0].local_hardware_id
+    native._markov_cuda.enable_certified_stats(ordinal)
+    native._markov_cuda.certified_stats(ordinal, reset=True)
+    profile_kernel.run(*profile_kernel.parse(spec))
+    return {name: int(n) for name, n in native._markov_cuda.certified_stats(ordinal, reset=True).items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="*", default=["151936,7,1,greedy"],
@@ -111,6 +127,9 @@ def main(argv=None):
         rows, totals = summarize(phases, warps, steps)
         results.append(dict(vocab=vocab, steps=steps, batch=batch, mode=mode, head=head_format, steps_us=rows,
                             **totals))
+    for spec, result in zip(args.configs, results):
+        if result["head"] == "certified":  # after every timeline: the counters stay on once enabled
+            result["certified_counts"] = certified_counts(spec)
     report = dict(command=command, gpu=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit,
                   configs=results)
     text = render(report)
@@ -132,9 +151,11 @@ def render(report: dict) -> str:
         lines += [f"## V={c['vocab']} K={c['steps']} B={c['batch']} {c['mode']}, {c['head']} W2 (last of 3 launches; "
                   f"batches over 64 columns: the last launch)", "",
                   f"kernel {c['kernel_us']:.1f} us from the first CTA's start to the last CTA's end; "
-                  f"CTA start skew {c['launch_skew_us']:.2f} us", "",
-                  "| step | " + " | ".join(COLUMNS) +
-                  " | warp spread (score) | after scoring | arrival spread | release | step |",
+                  f"CTA start skew {c['launch_skew_us']:.2f} us", ""]
+        if "certified_counts" in c:
+            lines += ["the certified walk's counters over those 3 launches (run again with them on): " +
+                      ", ".join(f"{name} {n}" for name, n in c["certified_counts"].items()), ""]
+        lines += ["| step | " + " | ".join(COLUMNS) + " | warp spread (score) | after scoring | arrival spread | release | step |",
                   "|---|" + "---|" * (len(COLUMNS) + 5)]
         lines += [f"| {r['step']} | " + " | ".join(f"{r[col]:.2f}" for col in COLUMNS) +
                   f" | {r['warp_spread']:.2f} | {r.get('after_scoring', float('nan')):.2f} | {r['arrival_spread']:.2f}"

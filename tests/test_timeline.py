@@ -55,3 +55,17 @@ def test_render_has_the_after_scoring_column():
     values = row0.strip("|").split("|")
     assert len(values) == len(cells)
     assert float(values[cells.index(" after scoring ")]) == pytest.approx(rows[0]["after_scoring"], abs=0.006)
+
+
+def test_render_states_a_certified_walks_counters():
+    rng = np.random.default_rng()
+    rows, totals = timeline.summarize(*stamps(rng), STEPS)
+    counts = {name: int(rng.integers(0, 100)) for name in ("decisions", "exact_rounds", "rescored")}
+    config = dict(vocab=5003, steps=STEPS, batch=1, mode="greedy", steps_us=rows, **totals)
+    report = dict(command="c", gpu="g", jax="j", commit="x",
+                  configs=[dict(config, head="certified", certified_counts=counts), dict(config, head="int8")])
+    sections = timeline.render(report).split("\n## ")[1:]
+    assert len(sections) == 2
+    stated = [line for line in sections[0].splitlines() if line.startswith("the certified walk's counters")]
+    assert stated and all(f"{name} {n}" in stated[0] for name, n in counts.items())
+    assert "counters" not in sections[1]
