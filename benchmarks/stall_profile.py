@@ -4,8 +4,9 @@ For each config "V,K,B,mode[,head]" this runs `benchmarks/profile_kernel.py` und
 `ncu --set full --import-source yes` on the third launch (the first two warm up), then prints:
 the launch's headline metrics (duration, issue slots busy, warps per scheduler), the samples of
 the instructions with each execution count (a loop body or a branch's side, largest first), and
-the hottest instructions. The raw SASS-level CSV goes next to the summary, so that
-it can be read again without a GPU.
+the hottest instructions. The raw SASS-level CSV and ncu's details page (every section of the set:
+the warp states by stall reason, the instruction cache, occupancy) go next to the summary, so that
+they can be read again without a GPU.
 
     python3 benchmarks/stall_profile.py --out OUT 151936,7,1,probabilistic 151936,7,1,greedy
 """
@@ -90,6 +91,7 @@ def main() -> None:
         details = run(["ncu", "-i", rep, "--page", "details"])
         with gzip.open(out / f"stall_{name}.csv.gz", "wt") as f:
             f.write(sass)
+        (out / f"stall_{name}_details.txt").write_text(details)
         os.remove(rep)
         try:
             summary = summarize(sass)
