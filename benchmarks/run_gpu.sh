@@ -95,8 +95,12 @@ for part in "${parts[@]}"; do
           > /tmp/jm_t$i.log 2>&1 &
         pids+=($!)
       done
+      tests_log() { { header tests; for ((i = 0; i < shards; i++)); do cat /tmp/jm_t$i.log; done; } > "$out/${gpu}_test_cuda.log"; }
+      # A run cut short (timeout's TERM) still leaves the log of what the shards ran.
+      trap 'kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; tests_log; echo "tests: cut short" >&2; exit 124' TERM
       wait "${pids[@]}"  # not the timeline build, which the timeline part waits for
-      { header tests; for ((i = 0; i < shards; i++)); do cat /tmp/jm_t$i.log; done; } > "$out/${gpu}_test_cuda.log"
+      trap - TERM
+      tests_log
       grep -E "passed|failed" "$out/${gpu}_test_cuda.log"
       ;;
     timeline)
