@@ -27,9 +27,9 @@ constexpr int kMaxNoiseBytes = 24 * 1024;  // at V = 151936 on 132 SMs: up to 5 
 constexpr int kDirectBatch = 16;
 constexpr int kDirectMaxCtas = 160;
 constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
-// The workspace's words: the keys (kSlotWords), then for a certified walk the bounds beside each
-// direct slot's key and the exact keys of its exact rounds (certified.cuh), each at the key's index.
-constexpr int kBoundsWords = kSlotWords, kExactWords = 2 * kSlotWords, kWorkspaceWords = 3 * kSlotWords;
+// The workspace's words: the keys (kSlotWords); a certified walk's direct slots instead hold each key
+// with its bounds word (2 kSlotWords), then the exact keys of its exact rounds (certified.cuh).
+constexpr int kExactWords = 2 * kSlotWords, kWorkspaceWords = 3 * kSlotWords;
 // The requests a launch of a certified walk (a CertifiedMarkovHead) takes: 1-2 in the digit kernel,
 // 9-16 in EREGS (kCertBatch).
 constexpr int kCertDigitBatch = 2;

@@ -51,11 +51,11 @@
 // unquantized row, padding -inf, rounded to the logits dtype, PackArgmaxKey), and the grid's maximum
 // over the CTAs' maxima of exact keys is v*'s key, whatever other columns were re-scored.
 //
-// The workspace (walk_config.h): the key of CTA c, request b and step k at index (k B + b) grid + c
-// of the keys, its bounds word at the same index of the bounds (second-best ordered score << 32 |
-// margin bits | 2^31, never 0; 1 for a sampled row) and its exact key of the exact round at that of
-// the exact keys. Each CTA clears its own three words of step k - 2 as it publishes step k's, and the
-// last CTA out clears the last two steps'.
+// The workspace (walk_config.h): the key of CTA c, request b and step k and its bounds word (second-best
+// ordered score << 32 | margin bits | 2^31, never 0; 1 for a sampled row) as the pair of words 2 i and
+// 2 i + 1, i = (k B + b) grid + c, stored and loaded as one 16-byte access; its exact key of the exact
+// round at index i of the exact keys. Each CTA clears its own words of step k - 2 as it publishes step
+// k's, and the last CTA out clears the last two steps'.
 #pragma once
 
 #include <cfloat>
@@ -129,16 +129,11 @@ __device__ __forceinline__ float CertMargin(const float (&e)[8], float unscale, 
   return __fmul_ru(__fadd_ru(__fadd_ru(residual, roundings), __fadd_ru(digits, tiny)), 1.0f + 0x1p-20f);
 }
 
-// Launch start: each warp's largest W2 scale and residual norm over the CTA's rows it reads (as bits:
-// a NaN or negative value reads above +inf, and makes the bound unusable), in cert_maxima; the exact
-// keys, second-best scores, counts and exact-round requests zeroed. Before Start's barrier.
+// Launch start: each warp's largest W2 scale and residual norm over the CTA's rows (the thread's
+// largest of each, as bits, from Start) in cert_maxima; the exact keys, second-best scores, counts and
+// exact-round requests zeroed. Before Start's barrier.
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::StartCertificate() {
-  uint32_t s_bits = 0, r_bits = 0;
-  for (int i = tid; i < my_rows; i += THREADS) {
-    s_bits = max(s_bits, __float_as_uint(__ldg(a.scale + first_row + i)));
-    r_bits = max(r_bits, __float_as_uint(__ldg(a.residual_norm + first_row + i)));
-  }
+__device__ __forceinline__ void WalkCta<T>::StartCertificate(uint32_t s_bits, uint32_t r_bits) {
   s_bits = __reduce_max_sync(0xffffffffu, s_bits);
   r_bits = __reduce_max_sync(0xffffffffu, r_bits);
   if (lane == 0) {
@@ -154,27 +149,40 @@ __device__ __forceinline__ void WalkCta<T>::StartCertificate() {
   if (tid < 2) cert_rounds[tid] = 0;
 }
 
-// Request b's margin of step k (cert_margin, by the step's parity: PublishCertified reads step k - 1's
-// while this is written, with no barrier between them), and its e (lane L: e[8L .. 8L+7], from W1's raw
-// words) in cert_e, by the warp that built its operands (after they recorded the unscale). CTA 0
-// counts the step's decision of a greedy request here, and whether its bound is usable.
+// Request b's e of step k (lane L: e[8L .. 8L+7], from W1's raw words) in cert_e, by the warp that built
+// its operands: the step's margin (MakeMargins) and the exact round read it.
 template <class T>
-__device__ __forceinline__ void WalkCta<T>::CertifyE(int b, int k, const uint4 (&raw)[2]) {
+__device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2]) {
   float e[8];
   RowFloats(a.w1_dtype, raw, e);
   float4* to = reinterpret_cast<float4*>(cert_e + b * kRank + 8 * lane);
   to[0] = make_float4(e[0], e[1], e[2], e[3]);
   to[1] = make_float4(e[4], e[5], e[6], e[7]);
+}
+
+// After scoring step k: the margins of the step's requests (cert_margin, by the step's parity:
+// PublishCertified reads step k - 1's while the next step's are made, with no barrier between them),
+// from cert_e and the unscales that the operands' build left before the step's barrier. The warps that
+// score fewer tiles than the CTA's busiest make them (margin_rank of margin_warps; every warp where all
+// score as many), so that the margin costs the step no time. CTA 0 counts each step's decision of a
+// greedy request here, and whether its bound is usable.
+template <class T>
+__device__ __forceinline__ void WalkCta<T>::MakeMargins(int k) {
+  if (margin_rank < 0) return;
   const uint32_t s_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane] : 0u);
   const uint32_t r_bits = __reduce_max_sync(0xffffffffu, lane < kWarps ? cert_maxima[2 * lane + 1] : 0u);
-  __syncwarp();
-  const float margin = CertMargin(e, unscale[b], a.logit_scale, __uint_as_float(s_bits), __uint_as_float(r_bits),
-                                  s_bits <= 0x7f7fffffu && r_bits <= 0x7f7fffffu);
-  if (lane == 0) {
-    cert_margin[(k & 1) * kCertBatch + b] = margin;
-    if (a.cert_stats != nullptr && blockIdx.x == 0 && inv_t[b] < 0.0f) {
-      atomicAdd(&a.cert_stats[kCertDecisions], 1ull);
-      if (!(margin < INFINITY)) atomicAdd(&a.cert_stats[kCertUncertified], 1ull);
+  for (int b = margin_rank; b < batch; b += margin_warps) {
+    const float4* from = reinterpret_cast<const float4*>(cert_e + b * kRank + 8 * lane);
+    const float4 lo = from[0], hi = from[1];
+    const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float margin = CertMargin(e, unscale[b], a.logit_scale, __uint_as_float(s_bits), __uint_as_float(r_bits),
+                                    s_bits <= 0x7f7fffffu && r_bits <= 0x7f7fffffu);
+    if (lane == 0) {
+      cert_margin[(k & 1) * kCertBatch + b] = margin;
+      if (a.cert_stats != nullptr && blockIdx.x == 0 && inv_t[b] < 0.0f) {
+        atomicAdd(&a.cert_stats[kCertDecisions], 1ull);
+        if (!(margin < INFINITY)) atomicAdd(&a.cert_stats[kCertUncertified], 1ull);
+      }
     }
   }
 }
@@ -192,27 +200,26 @@ __device__ __forceinline__ void WalkCta<T>::PublishCertified(int k) {
     const uint32_t margin_bits = __float_as_uint(cert_margin[(k & 1) * kCertBatch + tid]) | 0x80000000u;
     bounds = (static_cast<unsigned long long>(cert_second[tid]) << 32) | margin_bits;
   }
-  unsigned long long* slot = a.slots + size_t(k * batch + tid) * gridDim.x + blockIdx.x;
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot), "l"(mine != 0 ? mine : 1ull) : "memory");
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slot + kBoundsWords), "l"(bounds) : "memory");
+  const size_t at = size_t(k * batch + tid) * gridDim.x + blockIdx.x;
+  unsigned long long* pair = a.slots + 2 * at;
+  asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(pair), "l"(mine != 0 ? mine : 1ull), "l"(bounds) : "memory");
   if (k >= 2) {
-    unsigned long long* old = slot - size_t(2 * batch) * gridDim.x;
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(old), "l"(0ull) : "memory");
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(old + kBoundsWords), "l"(0ull) : "memory");
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(old + kExactWords), "l"(0ull) : "memory");
+    const size_t old = at - size_t(2 * batch) * gridDim.x;
+    asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %1};" ::"l"(a.slots + 2 * old), "l"(0ull) : "memory");
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a.slots + kExactWords + old), "l"(0ull) : "memory");
   }
   if (mine != 0 && a.d2t == nullptr && k + 1 < steps) PrefetchW1Row(a, ArgmaxKeyIndex(mine));
   cta_best[tid] = 0;
   cert_second[tid] = 0;
 }
 
-// A greedy request's choice of a step from every CTA's key and bounds word (keys, bounds: its slots),
-// once all are published: the grid's best key (returned) and whether the bounds certify it (the comment
-// at the top); threshold gets T' for the exact round (-inf where no bound can be used). The whole warp
-// calls it; every lane gets the same. (GatherKey's poll for two arrays: one template for both changed
-// the plain EREGS and digit-pair instances' code, nvcc 13.0.)
-__device__ __forceinline__ unsigned long long GatherCertified(const unsigned long long* keys, const unsigned long long* bounds,
-                                                              int lane, int dtype, bool& certified, float& threshold) {
+// A greedy request's choice of a step from every CTA's key and bounds word (pairs: CTA c's at words
+// 2c and 2c + 1), once all are published: the grid's best key (returned) and whether the bounds
+// certify it (the comment at the top); threshold gets T' for the exact round (-inf where no bound can
+// be used). A lane loads a CTA's pair at once; each word is written once a step, never 0, so that the
+// pair is the step's where both are nonzero. The whole warp calls it; every lane gets the same.
+__device__ __forceinline__ unsigned long long GatherCertified(const unsigned long long* pairs, int lane, int dtype,
+                                                              bool& certified, float& threshold) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
   unsigned long long key[kPerLane], word[kPerLane];
   bool ready;
@@ -223,8 +230,7 @@ __device__ __forceinline__ unsigned long long GatherCertified(const unsigned lon
       const int c = lane + 32 * i;
       key[i] = word[i] = 1;
       if (c < gridDim.x) {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(key[i]) : "l"(keys + c) : "memory");
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(word[i]) : "l"(bounds + c) : "memory");
+        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(key[i]), "=l"(word[i]) : "l"(pairs + 2 * c) : "memory");
       }
       ready = ready && key[i] != 0 && word[i] != 0;
     }
@@ -363,7 +369,7 @@ __device__ __forceinline__ void WalkCta<T>::ChooseCertifiedPass(int k, unsigned 
       } else if (inv_t[b] < 0.0f) {
         bool certified;
         float threshold;
-        const unsigned long long key = GatherCertified(a.slots + at, a.slots + kBoundsWords + at, lane, dtype, certified, threshold);
+        const unsigned long long key = GatherCertified(a.slots + 2 * at, lane, dtype, certified, threshold);
         take[u] = certified;
         row[u] = ArgmaxKeyIndex(key);
         if (!certified) {

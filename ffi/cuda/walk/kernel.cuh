@@ -91,6 +91,9 @@ struct WalkCta {
   // kept until the next step's choice for the exact round, where one is taken.
   unsigned long long lane_best[CERT ? kSlots : 1];
   mutable uint32_t lane_second[CERT ? kSlots : 1];
+  // A certified walk: this warp makes the margins of requests margin_rank, margin_rank + margin_warps, ...
+  // (MakeMargins; none where margin_rank < 0).
+  int margin_rank, margin_warps;
 
   __device__ __forceinline__ WalkCta(const WalkArgs& args, unsigned char* smem);
   __device__ __forceinline__ int RowOf(int local_tile) const { return (first_tile + local_tile) * kTileRows; }
@@ -113,8 +116,9 @@ struct WalkCta {
   // A certified walk (certified.cuh): the CTA's largest scale and residual norm, a request's margin
   // with its e, the CTA's keys and bounds published, the choices certified from the grid's, and the
   // exact round of the choices they do not single out.
-  __device__ __forceinline__ void StartCertificate();
-  __device__ __forceinline__ void CertifyE(int b, int k, const uint4 (&raw)[2]);
+  __device__ __forceinline__ void StartCertificate(uint32_t s_bits, uint32_t r_bits);
+  __device__ __forceinline__ void CertifyE(int b, const uint4 (&raw)[2]);
+  __device__ __forceinline__ void MakeMargins(int k);
   __device__ __forceinline__ void PublishCertified(int k);
   __device__ __forceinline__ void ChooseCertified(int k);
   __device__ __forceinline__ void ChooseCertifiedPass(int k, unsigned redo, unsigned& failed);
@@ -215,6 +219,20 @@ __device__ __forceinline__ WalkCta<T>::WalkCta(const WalkArgs& args, unsigned ch
   frag_desc = FragDescriptor(frag);
   // Small batches exchange keys through one slot per CTA (slots[(k * batch + b) * grid + cta]).
   direct = batch <= kDirectBatch && gridDim.x <= kDirectMaxCtas;
+  if constexpr (CERT) {
+    // The margins go to the warps with fewer tiles than the busiest (each warp's rank among them), or
+    // to every warp where all have as many.
+    int most = 0;
+    for (int w = 0; w < kWarps; ++w) most = max(most, WarpTiles<kWarps>(w, a.resident_tiles, my_tiles).total());
+    int light = 0, rank = -1;
+    for (int w = 0; w < kWarps; ++w) {
+      if (WarpTiles<kWarps>(w, a.resident_tiles, my_tiles).total() >= most) continue;
+      if (w == warp) rank = light;
+      ++light;
+    }
+    margin_warps = light > 0 ? light : kWarps;
+    margin_rank = light > 0 ? rank : warp;
+  }
 }
 
 // The state of every request, then everything that does not depend on the walk starts moving: step 0's
@@ -240,11 +258,19 @@ __device__ __forceinline__ void WalkCta<T>::Start() {
   for (int i = 0; i < min(T::kLoadAhead, tiles.n_resident); ++i) LoadResident(i);
   if (tiles.n_streamed > 0) LoadTileGlobal<W2>(a.w2, vocab, RowOf(tiles.Streamed(0, 0)), g, t, pre);
   // The W2 scales, once the tiles' loads are on their way (a thread waits for its scales before it
-  // stores them). A float W2 has no scales: 1 leaves its dot products as they are.
+  // stores them). A float W2 has no scales: 1 leaves its dot products as they are. A certified walk
+  // loads the rows' residual norms beside them, for the largest of each (as bits: a NaN or negative
+  // value reads above +inf, and makes the bound unusable).
+  uint32_t s_bits = 0, r_bits = 0;
   for (int i = tid; i < stage_rows; i += THREADS) {
-    scales[i] = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+    const float s = a.scale == nullptr ? 1.0f : (i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f);
+    if (CERT && i < my_rows) {
+      s_bits = max(s_bits, __float_as_uint(s));
+      r_bits = max(r_bits, __float_as_uint(__ldg(a.residual_norm + first_row + i)));
+    }
+    scales[i] = s;
   }
-  if constexpr (CERT) StartCertificate();
+  if constexpr (CERT) StartCertificate(s_bits, r_bits);
   // Greedy rows with no logits out take a scoring epilogue without branches; scoring draws no noise
   // where the fill or the noise tiles make it (or no row samples).
   any_sampled = __syncthreads_or(tid < batch && a.sampling && a.temperature[tid] > 0.0f);
@@ -336,7 +362,7 @@ __device__ __forceinline__ void WalkCta<T>::BuildOperands(int b, int k, const ui
   } else {
     BuildFragments<NT, SPLIT, W2, T::kWgmma>(a, b, k, lane, raw, frag, unscale);
   }
-  if constexpr (CERT) CertifyE(b, k, raw);
+  if constexpr (CERT) CertifyE(b, raw);
 }
 
 // The best key of each owned request over the 8 lanes that share t (EREGS: the 4 that share g), then
@@ -399,8 +425,7 @@ __device__ __forceinline__ void WalkCta<T>::Finish() {
     // the last one out clears the last two steps' words of the three kinds (certified.cuh).
     const size_t first = size_t(max(0, steps - 2)) * batch * gridDim.x, end = size_t(steps) * batch * gridDim.x;
     for (size_t i = first + tid; i < end; i += THREADS) {
-      a.slots[i] = 0;
-      a.slots[kBoundsWords + i] = 0;
+      reinterpret_cast<ulonglong2*>(a.slots)[i] = make_ulonglong2(0ull, 0ull);
       a.slots[kExactWords + i] = 0;
     }
     if (tid == 0) a.counters[1] = 0;
@@ -457,6 +482,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) MarkovWalkKernel(const WalkArgs
     }
     unsigned long long best[WalkCta<T>::kSlots];
     cta.Score(k, best);
+    if constexpr (T::CERT) cta.MakeMargins(k);
     StampWarp(a, k, cta.warp);
     cta.Reduce(k, best);
     Stamp(a, k, 4);
