@@ -72,7 +72,12 @@ else
   fi
   wait $plain || exit 1
 fi
-cp /tmp/jm_build/_markov_*.so jax_markov/
+# Each module goes in by rename, never rewritten in place: another run_gpu.sh beside this one (the
+# tests and the sanitizers side by side) has them loaded, and a copy over a loaded module crashes it.
+for module in /tmp/jm_build/_markov_*.so; do
+  cmp -s "$module" "jax_markov/${module##*/}" && continue
+  cp "$module" "jax_markov/.${module##*/}.new" && mv -f "jax_markov/.${module##*/}.new" "jax_markov/${module##*/}" || exit 1
+done
 export PYTHONPATH=$PWD
 commit=${JAX_MARKOV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export JAX_MARKOV_COMMIT=$commit
