@@ -19,6 +19,7 @@ JAX_MARKOV_TEST_SEED=<seed>; outputs land on poisoned (NaN) device memory.
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 
@@ -43,7 +44,22 @@ V = 151936
 # half of them (25-57 of 112 decisions on an H100).
 MAX_RESCORED_FRACTION = 0.02
 MAX_CTA_RESCORED = 64
-MAX_EXACT_ROUND_FRACTION = 0.25
+# The small-bias heads' exact rounds: at most the count that `decisions` independent decisions, each
+# taking one at this rate (above the model's 8 %), exceed with probability below EXACT_ROUND_TAIL.
+# (One request's seven decisions are few: a bound of a quarter of them failed on an H100 with two.)
+SMALL_BIAS_EXACT_ROUND_RATE = 0.1
+EXACT_ROUND_TAIL = 1e-4
+
+
+def most_exact_rounds(decisions: int) -> int:
+    """The least k with P(X > k) < EXACT_ROUND_TAIL for X ~ Binomial(decisions, SMALL_BIAS_EXACT_ROUND_RATE)."""
+    p = SMALL_BIAS_EXACT_ROUND_RATE
+    above = 1.0
+    for k in range(decisions + 1):
+        above -= math.comb(decisions, k) * p ** k * (1 - p) ** (decisions - k)
+        if above < EXACT_ROUND_TAIL:
+            return k
+    return decisions
 
 
 @pytest.fixture
@@ -362,7 +378,7 @@ def test_small_biases_are_certified_without_rescoring(rng, stats, assert_tokens_
     assert_unquantized_tokens(got, base, anchor, chead, {}, assert_tokens_match)
     decisions = batch * 7
     assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
-    assert counted["exact_rounds"] <= MAX_EXACT_ROUND_FRACTION * decisions, counted
+    assert counted["exact_rounds"] <= most_exact_rounds(decisions), counted
     print(f"B = {batch}: {counted['exact_rounds']} exact rounds in {decisions} decisions, {counted['rescored']} columns "
           f"re-scored")
 
