@@ -14,11 +14,11 @@ Phases of step k, per CTA (medians over CTAs, in us):
   wait     the grid-wide wait: spinning on the arrival count, then the CTA barrier (batches up to
            16 wait for the keys themselves, in `e ready`)
   e ready  the chosen token's key, its W1 row and the B fragments built from it (a certified walk:
-           also the certificate from every CTA's bounds, the exact round where one is taken, and
-           the step's margin)
+           also the certificate from every CTA's bounds and the exact round where one is taken)
   score    the CTA's tiles scored and reduced to one key per request; of it, `after scoring` is
            from the CTA's last warp done with its tiles to the end of the reduction (a certified
-           walk also merges the second-best scores) and the CTA barrier
+           walk also merges the second-best scores) and the CTA barrier. A certified walk's warps
+           with fewer tiles make the step's margins after their tiles, before their stamp
   publish  the keys published (a certified walk: with their bounds words) and the arrival counted
 and across CTAs: `arrival spread` (last CTA's arrival minus the median arrival) and `release`
 (the last arrival to the median CTA's end of wait at the next step). With the direct exchange only
