@@ -47,13 +47,13 @@ struct WalkSmem {
 };
 
 // A certified walk's state (the CERT instances, up to kCertBatch requests): per request the CTA's
-// second-best int8 score of the step (ordered), its margin at steps of each parity (published at the
-// end of a step while the next step's is made), the grid's threshold where the step's choice takes an
-// exact round, the CTA's exact key of that round and its counts for the stats (columns re-scored,
-// lanes that re-scored all their rows); the requests of each step parity that take an exact round;
-// per warp the largest W2 scale and residual norm of its rows (as bits), which give the CTA's once a
-// launch; then each request's e of the step as floats, for the warps that re-score (one shared-memory
-// read, not an L2 round trip ahead of the W2 rows' loads).
+// second-best int8 score of the step (ordered), its margin at steps of each parity (made after the
+// step's scoring, read by its publish and the next step's exact round), the grid's threshold where
+// the step's choice takes an exact round, the CTA's exact key of that round and its counts for the
+// stats (columns re-scored, lanes that re-scored all their rows); the requests of each step parity
+// that take an exact round; per warp the largest W2 scale and residual norm of its rows (as bits),
+// which give the CTA's once a launch; then each request's e of the step as floats, for the margins and
+// the warps that re-score (one shared-memory read, not an L2 round trip ahead of the W2 rows' loads).
 struct CertSmem {
   static constexpr int kExact = 0;                                  // unsigned long long [kCertBatch]
   static constexpr int kSecond = kExact + 8 * kCertBatch;           // unsigned int [kCertBatch]

@@ -160,12 +160,12 @@ __device__ __forceinline__ void WalkCta<T>::CertifyE(int b, const uint4 (&raw)[2
   to[1] = make_float4(e[4], e[5], e[6], e[7]);
 }
 
-// After scoring step k: the margins of the step's requests (cert_margin, by the step's parity:
-// PublishCertified reads step k - 1's while the next step's are made, with no barrier between them),
-// from cert_e and the unscales that the operands' build left before the step's barrier. The warps that
-// score fewer tiles than the CTA's busiest make them (margin_rank of margin_warps; every warp where all
-// score as many), so that the margin costs the step no time. CTA 0 counts each step's decision of a
-// greedy request here, and whether its bound is usable.
+// After scoring step k: the margins of the step's requests (cert_margin, by the step's parity; step
+// k's is read by its publish and, at step k + 1, by its exact round), from cert_e and the unscales
+// that the operands' build left before the step's barrier. The warps that score fewer tiles than the
+// CTA's busiest make them (margin_rank of margin_warps; every warp where all score as many), so that
+// the margin costs the step no time. CTA 0 counts each step's decision of a greedy request here, and
+// whether its bound is usable.
 template <class T>
 __device__ __forceinline__ void WalkCta<T>::MakeMargins(int k) {
   if (margin_rank < 0) return;
