@@ -148,28 +148,40 @@ for part in "${parts[@]}"; do
       # At V = 151936 most warps keep a streamed W2 tile in registers from step to step (odd steps
       # take them in reverse): 151936,2,1 greedy in the digit kernel's instance for tokens only,
       # 151936,3,2 probabilistic in its instance for logits out, 151936,2,4 greedy on the digit pairs,
-      # 151936,2,1,greedy,bf16 in the bf16 head's kernel. One sanitizer run a shape here: memcheck
-      # once crashed (a segmentation fault, no error reported) on the third in one process.
+      # 151936,2,1,greedy,bf16 in the bf16 head's kernel.
       streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,12,greedy-logits 151936,2,1,greedy,bf16 151936,2,1,greedy,certified 151936,2,16,greedy,certified"
       # The certified walk's exact round (the grid's int8 keys do not single out a choice): rare on
       # profile_kernel.py's heads, taken by every decision of the GPU tests of ties and of a
       # disagreement at the last step (the digit kernel, the digit pairs, EREGS).
       exact_rounds="ties_make_lanes_rescore_all_their_rows or disagreement_at_the_last_step"
-      # memcheck and racecheck side by side (each in its own processes).
-      pids=()
+      nodes=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_cuda_certified.py -k "$exact_rounds" |
+        grep "::")
+      # One process a shape and a test: compute-sanitizer's process crashes (a segmentation fault, no
+      # error reported) after a few kernel instances in one process, at a different one each run.
+      # memcheck and racecheck side by side, each in four lanes of such processes; each log in order.
+      jobs=() && for shape in $small $streamed; do jobs+=("python3 benchmarks/profile_kernel.py $shape"); done
+      for node in $nodes; do jobs+=("python3 -m pytest -q -p no:cacheprovider $node"); done
+      lanes=4 pids=()
+      sanitizer_logs() {
+        for tool in memcheck racecheck; do
+          { header $tool; for ((j = 0; j < ${#jobs[@]}; j++)); do cat /tmp/jm_${tool}_$j.log 2> /dev/null; done; } \
+            > "$out/${gpu}_$tool.log"
+        done
+      }
+      rm -f /tmp/jm_memcheck_*.log /tmp/jm_racecheck_*.log
+      trap 'kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; sanitizer_logs; echo "sanitizers: cut short" >&2; exit 124' TERM
       for tool in memcheck racecheck; do
-        {
-          header $tool
-          for shapes in "$small" $streamed; do
-            compute-sanitizer --tool $tool python3 benchmarks/profile_kernel.py $shapes 2>&1 ||
-              echo "# compute-sanitizer exited with status $? on $shapes"
-          done
-          compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider tests/test_cuda_certified.py \
-            -k "$exact_rounds" 2>&1 || echo "# compute-sanitizer exited with status $? on the tests $exact_rounds"
-        } > "$out/${gpu}_$tool.log" &
-        pids+=($!)
+        for ((lane = 0; lane < lanes; lane++)); do
+          for ((j = lane; j < ${#jobs[@]}; j += lanes)); do
+            compute-sanitizer --tool $tool ${jobs[j]} > /tmp/jm_${tool}_$j.log 2>&1 ||
+              echo "# compute-sanitizer exited with status $? on ${jobs[j]}" >> /tmp/jm_${tool}_$j.log
+          done &
+          pids+=($!)
+        done
       done
       wait "${pids[@]}"
+      trap - TERM
+      sanitizer_logs
       grep -E "SUMMARY|exited with" "$out/${gpu}_memcheck.log" "$out/${gpu}_racecheck.log"
       ;;
   esac
