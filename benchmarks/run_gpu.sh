@@ -96,13 +96,16 @@ for part in "${parts[@]}"; do
       shards=6
       pids=()
       for ((i = 0; i < shards; i++)); do
-        JAX_MARKOV_TEST_SHARD=$i/$shards python3 -m pytest -q -p no:cacheprovider --durations=12 $files \
-          > /tmp/jm_t$i.log 2>&1 &
+        # -v names each test as it ends; a test still running after 120 s has every thread's Python
+        # stack written into the log (pytest's faulthandler_timeout), so a cut run says where it stood.
+        JAX_MARKOV_TEST_SHARD=$i/$shards python3 -m pytest -v -p no:cacheprovider --durations=12 \
+          -o faulthandler_timeout=120 $files > /tmp/jm_t$i.log 2>&1 &
         pids+=($!)
       done
       tests_log() { { header tests; for ((i = 0; i < shards; i++)); do cat /tmp/jm_t$i.log; done; } > "$out/${gpu}_test_cuda.log"; }
       # A run cut short (timeout's TERM) still leaves the log of what the shards ran.
-      trap 'kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; tests_log; echo "tests: cut short" >&2; exit 124' TERM
+      trap 'nvidia-smi > /tmp/jm_tsmi.log 2>&1; kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; tests_log
+        cat /tmp/jm_tsmi.log >> "$out/${gpu}_test_cuda.log"; echo "tests: cut short" >&2; exit 124' TERM
       wait "${pids[@]}"  # not the timeline build, which the timeline part waits for
       trap - TERM
       tests_log
