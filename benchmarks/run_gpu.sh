@@ -2,7 +2,7 @@
 # The GPU evidence of one kernel version on an H100 or H200, in parts that each fit well under the
 # device tool's 10 minutes a command (the build, about 2 minutes, included):
 #
-#     bash benchmarks/run_gpu.sh OUT_DIR [tests|sanitizers|table|timeline ...] [-- gpu_timing.py options]
+#     bash benchmarks/run_gpu.sh OUT_DIR [tests|sanitizers|memcheck|racecheck|table|timeline ...] [-- gpu_timing.py options]
 #
 # It builds the CUDA and CPU modules once, with the design-floor probes (-DJAX_MARKOV_PROBES=ON; the
 # timeline part also builds the timeline variant), and names every output after the GPU (<gpu> is
@@ -10,7 +10,7 @@
 #   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_certified.py, test_design_floor.py and
 #               test_command_buffers.py, six shards side by side
 #   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes and on the
-#               certified walk's exact-round GPU tests
+#               certified walk's exact-round GPU tests; memcheck, racecheck: one of the two
 #   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
 #               options after --; the whole table takes longer than one command may, so give each call a
 #               few rows (--rows V,K,B ...) and join the calls' <gpu>.json with gpu_timing.py --merge
@@ -20,7 +20,7 @@
 # tree that ran (the script refuses to run without it where the tracked files differ from HEAD's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: run_gpu.sh OUT_DIR [tests|sanitizers|table|timeline ...] [-- gpu_timing.py options]"
+usage="usage: run_gpu.sh OUT_DIR [tests|sanitizers|memcheck|racecheck|table|timeline ...] [-- gpu_timing.py options]"
 out=${1:?$usage}
 shift
 parts=() table_args=()
@@ -35,7 +35,7 @@ while (($#)); do
 done
 ((${#parts[@]})) || parts=(tests timeline table sanitizers)
 for part in "${parts[@]}"; do
-  [[ $part =~ ^(tests|sanitizers|table|timeline)$ ]] || { echo "unknown part: $part; $usage" >&2; exit 2; }
+  [[ $part =~ ^(tests|sanitizers|memcheck|racecheck|table|timeline)$ ]] || { echo "unknown part: $part; $usage" >&2; exit 2; }
 done
 if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && git rev-parse --is-inside-work-tree > /dev/null 2>&1 && ! git diff --quiet HEAD --; then
   echo "run_gpu.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
@@ -130,7 +130,8 @@ for part in "${parts[@]}"; do
         > "$out/${gpu}_gpu_timing.log" 2>&1 || tail -20 "$out/${gpu}_gpu_timing.log"
       grep -E "^- (greedy|probabilistic): " "$out/$gpu.md"
       ;;
-    sanitizers)
+    sanitizers | memcheck | racecheck)
+      tools=(memcheck racecheck) && [[ $part == sanitizers ]] || tools=("$part")
       # 20011,2,40 probabilistic walks in MarkovWalkKernel (V % 8 != 0), which makes its noise a tile at a
       # time (noise tiles), as does 5000,3,12 probabilistic; 20008,2,40, 20008,2,56 and 40008,2,24
       # probabilistic walk in the transposed kernel, which makes the noise in its epilogue (not packed at
@@ -160,24 +161,29 @@ for part in "${parts[@]}"; do
       nodes=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_cuda_certified.py -k "$exact_rounds" |
         grep "::")
       # One process a shape and a test: compute-sanitizer's process crashes (a segmentation fault, no
-      # error reported) after a few kernel instances in one process, at a different one each run.
-      # memcheck and racecheck side by side, each in four lanes of such processes; each log in order.
+      # error reported) after a few kernel instances in one process, at a different one each run, and
+      # now and then in a single test's; a crashed one runs once more, both in the log. The tools side
+      # by side, eight lanes of such processes in all; each tool's log in order.
       jobs=() && for shape in $small $streamed; do jobs+=("python3 benchmarks/profile_kernel.py $shape"); done
       for node in $nodes; do jobs+=("python3 -m pytest -q -p no:cacheprovider $node"); done
-      lanes=4 pids=()
+      lanes=$((8 / ${#tools[@]})) pids=()
       sanitizer_logs() {
-        for tool in memcheck racecheck; do
+        for tool in "${tools[@]}"; do
           { header $tool; for ((j = 0; j < ${#jobs[@]}; j++)); do cat /tmp/jm_${tool}_$j.log 2> /dev/null; done; } \
             > "$out/${gpu}_$tool.log"
         done
       }
       rm -f /tmp/jm_memcheck_*.log /tmp/jm_racecheck_*.log
-      trap 'kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; sanitizer_logs; echo "sanitizers: cut short" >&2; exit 124' TERM
-      for tool in memcheck racecheck; do
+      trap 'kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}"; sanitizer_logs; echo "$part: cut short" >&2; exit 124' TERM
+      for tool in "${tools[@]}"; do
         for ((lane = 0; lane < lanes; lane++)); do
           for ((j = lane; j < ${#jobs[@]}; j += lanes)); do
-            compute-sanitizer --tool $tool ${jobs[j]} > /tmp/jm_${tool}_$j.log 2>&1 ||
-              echo "# compute-sanitizer exited with status $? on ${jobs[j]}" >> /tmp/jm_${tool}_$j.log
+            for try in 1 2; do
+              compute-sanitizer --tool $tool ${jobs[j]} >> /tmp/jm_${tool}_$j.log 2>&1 && break
+              status=$?
+              echo "# compute-sanitizer exited with status $status on ${jobs[j]}" >> /tmp/jm_${tool}_$j.log
+              ((status == 139)) || break
+            done
           done &
           pids+=($!)
         done
@@ -185,7 +191,7 @@ for part in "${parts[@]}"; do
       wait "${pids[@]}"
       trap - TERM
       sanitizer_logs
-      grep -E "SUMMARY|exited with" "$out/${gpu}_memcheck.log" "$out/${gpu}_racecheck.log"
+      for tool in "${tools[@]}"; do grep -E "SUMMARY|exited with" "$out/${gpu}_$tool.log"; done
       ;;
   esac
 done
