@@ -106,12 +106,13 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
 # requests and V % 8 == 0 the transposed kernel walks and makes the noise in its epilogue (packed at
 # 24; not at 40 and 48, in the rotated order, nor at 56; the last tile half outside V = 100008 and
 # 60008), as it does for the mixed benchmark shapes at B = 64. Otherwise batches of 9 or more whose
-# noise does not fit in shared memory have it made before the walk by MarkovWalkNoise (the mixed
-# benchmark shape at B = 16); at V = 8003 the noise of 40 requests fits in shared memory
+# noise does not fit in shared memory make it a tile at a time, just before the tile is scored (noise
+# tiles: the mixed benchmark shape at B = 16); at V = 8003 the noise of 40 requests fits in shared memory
 # (MarkovWalkKernel's wgmma kernel fills it). With this bf16 W1, 3-8 requests score on e's int8 digit
 # pairs, their logits out too (test_parity_sampled_fp16_w1 walks MarkovWalkKernel's fp16 columns
 # there). bf16 base logits with bf16 logits out take the epilogue specialised for that launch: B = 2
-# (digits, noise ahead), 12 (staged logits, MarkovWalkNoise's noise); with float32 logits out, the
+# (digits, noise ahead); B = 12's sampled launch stages its logits for 16-byte stores and makes its
+# noise in tiles, its greedy one is EREGS's bf16-logits form; with float32 logits out, the
 # digit kernel's instance for them: B = 1 at V = 151936 and 270336, 2 at 248320.
 @pytest.mark.parametrize("batch,steps,vocab,base_dtype,logits_dtype", [
     (1, 7, 151936, jnp.bfloat16, jnp.float32), (1, 7, 151936, jnp.float32, jnp.bfloat16),
@@ -225,7 +226,7 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
 # from registers in the transposed kernel (40 mixed and 64 greedy); one value a store otherwise (40009,
 # 100003, 3-8 requests on the digit pairs, and 1-2 requests: the digit kernel, whose instance for bf16
 # logits with bf16 base logits stages its base logits at 40008, not at 40009). 24 and 48 sampled
-# requests at V = 100003 read their noise from MarkovWalkNoise (at 48 in the general epilogue); 40 at
+# requests at V = 100003 make their noise in tiles (at 48 in the general epilogue); 40 at
 # V = 100008 make it in the transposed kernel.
 @pytest.mark.parametrize("batch,vocab,mode", [(1, 40009, "sampled"), (2, 40008, "mixed"), (3, 40008, "sampled"),
                                               (8, 40009, "sampled"), (16, 40008, "greedy"), (24, 100003, "mixed"),
@@ -415,7 +416,7 @@ def test_zero_temperature_batch_walks_as_greedy(reference_scores, assert_tokens_
 # Issue 64's rules for sampled rows on every kernel that samples: a column whose logit is -inf (masked) is
 # never sampled, padding (vocab_size) is never chosen, and T = +inf (1/T = 0) samples uniformly among the
 # other columns: its score there is the noise alone, never the NaN of -inf * 0. B = 1 with its noise
-# ahead, 6 made in the scoring epilogue, 12 made by MarkovWalkNoise, 24 and 40 on the transposed kernel
+# ahead, 6 made in the scoring epilogue, 12 made in tiles, 24 and 40 on the transposed kernel
 # (int8 W2, V % 8 == 0), and the unquantized heads; with and without logits out.
 @pytest.mark.parametrize("batch,vocab,w2_dtype", [(1, 151936, jnp.int8), (6, 151936, jnp.int8),
                                                   (12, 151936, jnp.int8), (24, 100008, jnp.int8),
