@@ -160,10 +160,12 @@ for part in "${parts[@]}"; do
       exact_rounds="ties_make_lanes_rescore_all_their_rows or disagreement_at_the_last_step"
       nodes=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_cuda_certified.py -k "$exact_rounds" |
         grep "::")
-      # One process a shape and a test: compute-sanitizer's process crashes (a segmentation fault, no
+      # One process a shape and a test: compute-sanitizer's process crashed (a segmentation fault, no
       # error reported) after a few kernel instances in one process, at a different one each run, and
-      # now and then in a single test's; a crashed one runs once more, both in the log. The tools side
-      # by side, eight lanes of such processes in all; each tool's log in order.
+      # now and then in a single test's; a crashed one runs once more, both in the log. XLA's command
+      # buffers are off, so that every launch goes straight to the stream rather than into a CUDA graph
+      # (XLA puts our command-buffer-compatible custom call into its graphs). The tools side by side,
+      # eight lanes of such processes in all; each tool's log in order.
       jobs=() && for shape in $small $streamed; do jobs+=("python3 benchmarks/profile_kernel.py $shape"); done
       for node in $nodes; do jobs+=("python3 -m pytest -q -p no:cacheprovider $node"); done
       lanes=$((8 / ${#tools[@]})) pids=()
@@ -179,7 +181,8 @@ for part in "${parts[@]}"; do
         for ((lane = 0; lane < lanes; lane++)); do
           for ((j = lane; j < ${#jobs[@]}; j += lanes)); do
             for try in 1 2; do
-              compute-sanitizer --tool $tool ${jobs[j]} >> /tmp/jm_${tool}_$j.log 2>&1 && break
+              XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}" compute-sanitizer --tool $tool ${jobs[j]} \
+                >> /tmp/jm_${tool}_$j.log 2>&1 && break
               status=$?
               echo "# compute-sanitizer exited with status $status on ${jobs[j]}" >> /tmp/jm_${tool}_$j.log
               ((status == 139)) || break
