@@ -17,6 +17,7 @@ Use them as fixtures (the importlib import mode keeps conftest out of `import`):
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 
 import numpy as np
@@ -167,6 +168,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def fresh_rng(request):
+    """A generator on a fresh random seed (JAX_MARKOV_TEST_SEED fixes it), printed with the test's
+    name so that a failure can be rerun on the same inputs."""
+    seed = int(os.environ.get("JAX_MARKOV_TEST_SEED", secrets.randbits(32)))
+    print(f"{request.node.name}: seed {seed} (rerun with JAX_MARKOV_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture

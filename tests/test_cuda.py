@@ -6,6 +6,10 @@ score and its score of the kernel's token differ by at most NEAR_TIE * (1 + |bes
 step the two walks condition on different tokens, so the rest of that row is not compared. Logits
 compare with LOGIT_RTOL/LOGIT_ATOL in float32 (one ulp of the narrower dtype otherwise); embeds
 must be equal. Near-ties are counted and may touch at most MAX_NEAR_TIE_ROWS of the rows.
+
+The parity tests of the benchmark shapes, sampled rows, float heads, narrow logits and masked columns
+draw fresh random inputs (conftest's fresh_rng: the seed printed with the test's output, reproducible
+with JAX_MARKOV_TEST_SEED=<seed>); the others a fixed seed.
 """
 from __future__ import annotations
 
@@ -95,8 +99,8 @@ def check_parity(reference_scores, assert_tokens_match):
                                                (1, 5, 129280), (64, 5, 129280), (1, 16, 248320), (3, 1, 5003),
                                                (16, 16, 20011), (1, 7, 270336)])
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
-def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
-    rng = np.random.default_rng(hash((batch, steps, vocab, mode)) % 2**32)
+def test_parity_benchmark_shapes(fresh_rng, check_parity, batch, steps, vocab, mode):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, mixed=mode == "mixed")
     check_parity(base, anchor, head, kw)
 
@@ -124,8 +128,8 @@ def test_parity_benchmark_shapes(check_parity, batch, steps, vocab, mode):
     (1, 7, 270336, jnp.bfloat16, jnp.float32), (40, 5, 100008, jnp.bfloat16, jnp.float32),
     (24, 5, 100008, jnp.float16, jnp.bfloat16), (48, 3, 60008, jnp.float32, jnp.float16),
     (56, 3, 60008, jnp.bfloat16, jnp.bfloat16), (40, 3, 8003, jnp.bfloat16, jnp.float32)])
-def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dtype):
-    rng = np.random.default_rng(hash((batch, steps, vocab, str(base_dtype), str(logits_dtype))) % 2**32)
+def test_parity_sampled(fresh_rng, check_parity, batch, steps, vocab, base_dtype, logits_dtype):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, base_dtype=base_dtype, sampled=True)
     transposed = native.cuda_transposed_launches(batch, vocab, head.w1.dtype, logits_out=True)
     assert transposed == [batch > 16 and vocab % 8 == 0], transposed
@@ -138,8 +142,8 @@ def test_parity_sampled(check_parity, batch, steps, vocab, base_dtype, logits_dt
 # epilogue, 3 and 8 with the last tile half outside V = 40008.
 @pytest.mark.parametrize("batch,steps,vocab,logits_dtype", [(4, 5, 151936, jnp.bfloat16), (6, 7, 151936, jnp.float32),
                                                             (3, 6, 40008, jnp.bfloat16), (8, 6, 40008, jnp.float16)])
-def test_parity_sampled_fp16_w1(check_parity, batch, steps, vocab, logits_dtype):
-    rng = np.random.default_rng(hash((batch, steps, vocab, str(logits_dtype), "fp16 W1")) % 2**32)
+def test_parity_sampled_fp16_w1(fresh_rng, check_parity, batch, steps, vocab, logits_dtype):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, w1_dtype=jnp.float16, sampled=True)
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
@@ -204,8 +208,8 @@ def test_parity_e_operands_bf16_logits(check_parity, batch, vocab, w1_dtype, ext
 @pytest.mark.parametrize("w2_dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("w1_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("batch", [1, 5, 20, 40])
-def test_parity_float_head(check_parity, w2_dtype, w1_dtype, batch):
-    rng = np.random.default_rng(hash((batch, str(w1_dtype), str(w2_dtype))) % 2**32)
+def test_parity_float_head(fresh_rng, check_parity, w2_dtype, w1_dtype, batch):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, 5, 30011, v_target=30500, w1_dtype=w1_dtype, w2_dtype=w2_dtype,
                                        mixed=True)
     assert head.w2.dtype == w2_dtype
@@ -215,8 +219,8 @@ def test_parity_float_head(check_parity, w2_dtype, w1_dtype, batch):
 @pytest.mark.parametrize("batch,steps,vocab", [(1, 7, 151936), (16, 7, 151936), (64, 7, 151936), (1, 16, 248320),
                                                (70, 3, 20011), (1, 7, 270336)])
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
-def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mode):
-    rng = np.random.default_rng(hash((batch, steps, vocab, mode, "bf16")) % 2**32)
+def test_parity_bf16_head_benchmark_shapes(fresh_rng, check_parity, batch, steps, vocab, mode):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, w2_dtype=jnp.bfloat16, mixed=mode == "mixed")
     check_parity(base, anchor, head, kw)
 
@@ -232,8 +236,8 @@ def test_parity_bf16_head_benchmark_shapes(check_parity, batch, steps, vocab, mo
                                               (8, 40009, "sampled"), (16, 40008, "greedy"), (24, 100003, "mixed"),
                                               (40, 100008, "mixed"), (48, 100003, "mixed"), (64, 40008, "greedy")])
 @pytest.mark.parametrize("logits_dtype", [jnp.bfloat16, jnp.float16])
-def test_parity_narrow_logits(check_parity, batch, vocab, mode, logits_dtype):
-    rng = np.random.default_rng(hash((batch, vocab, mode, str(logits_dtype))) % 2**32)
+def test_parity_narrow_logits(fresh_rng, check_parity, batch, vocab, mode, logits_dtype):
+    rng = fresh_rng
     base, anchor, head, kw = make_case(rng, batch, 6, vocab, sampled=mode == "sampled", mixed=mode == "mixed")
     check_parity(base, anchor, head, kw, logits_dtype=logits_dtype)
 
@@ -423,9 +427,9 @@ def test_zero_temperature_batch_walks_as_greedy(reference_scores, assert_tokens_
                                                   (40, 60008, jnp.int8), (3, 30011, jnp.bfloat16),
                                                   (20, 30011, jnp.float16)])
 @pytest.mark.parametrize("return_logits", [False, True])
-def test_masked_columns_padding_and_infinite_temperature(reference_scores, assert_tokens_match, batch, vocab, w2_dtype,
+def test_masked_columns_padding_and_infinite_temperature(fresh_rng, reference_scores, assert_tokens_match, batch, vocab, w2_dtype,
                                                          return_logits):
-    rng = np.random.default_rng(hash((batch, vocab, str(w2_dtype), return_logits, "masked")) % 2**32)
+    rng = fresh_rng
     steps, vocab_size = 5, vocab - 1000
     base, anchor, head, kw = make_case(rng, batch, steps, vocab, w2_dtype=w2_dtype, mixed=True)
     if w2_dtype == jnp.int8:

@@ -20,8 +20,6 @@ JAX_MARKOV_TEST_SEED=<seed>; outputs land on poisoned (NaN) device memory.
 from __future__ import annotations
 
 import math
-import os
-import secrets
 
 import jax
 import jax.numpy as jnp
@@ -63,10 +61,9 @@ def most_exact_rounds(decisions: int) -> int:
 
 
 @pytest.fixture
-def rng(request):
-    seed = int(os.environ.get("JAX_MARKOV_TEST_SEED", secrets.randbits(32)))
-    print(f"{request.node.name}: seed {seed} (rerun with JAX_MARKOV_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
+def rng(fresh_rng):
+    """Every test here on a fresh seed (conftest's fresh_rng)."""
+    return fresh_rng
 
 
 @pytest.fixture
