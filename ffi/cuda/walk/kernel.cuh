@@ -422,7 +422,7 @@ __device__ __forceinline__ void WalkCta<T>::Finish() {
   __syncthreads();
   if (CERT && direct && *last_out) {
     // A certified walk's every CTA gathered the last step's keys (where the exact round needs them all):
-    // the last one out clears the last two steps' words of the three kinds (certified.cuh).
+    // the last one out clears the last two steps' key-and-bounds pairs and exact keys (certified.cuh).
     const size_t first = size_t(max(0, steps - 2)) * batch * gridDim.x, end = size_t(steps) * batch * gridDim.x;
     for (size_t i = first + tid; i < end; i += THREADS) {
       reinterpret_cast<ulonglong2*>(a.slots)[i] = make_ulonglong2(0ull, 0ull);
