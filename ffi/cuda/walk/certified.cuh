@@ -381,7 +381,7 @@ __device__ __forceinline__ void WalkCta<T>::ChooseCertifiedPass(int k, unsigned 
         }
       } else {
         take[u] = true;
-        row[u] = ArgmaxKeyIndex(GatherKey(a.slots + at, lane));
+        row[u] = ArgmaxKeyIndex(GatherKey<2>(a.slots + 2 * at, lane));  // a sampled row: its key alone
       }
     }
     if (a.d2t != nullptr) DraftToTarget(a.d2t, row);

@@ -20,7 +20,10 @@ namespace jax_markov {
 namespace walk {
 
 // The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
-// them are published (a published key is never 0). The whole warp calls it; every lane gets it.
+// them are published (a published key is never 0). CTA c's key is at slots[kStride c] (2 where each
+// key has a bounds word beside it: the certified walk's pairs). The whole warp calls it; every lane
+// gets it.
+template <int kStride = 1>
 __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long* slots, int lane) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
   unsigned long long v[kPerLane];
@@ -31,7 +34,7 @@ __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long
     for (int i = 0; i < kPerLane; ++i) {
       const int c = lane + 32 * i;
       v[i] = 1;
-      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + c) : "memory");
+      if (c < gridDim.x) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[i]) : "l"(slots + kStride * c) : "memory");
       ready = ready && v[i] != 0;
     }
   } while (!__all_sync(0xffffffffu, ready));
