@@ -217,9 +217,12 @@ __device__ __forceinline__ void WalkCta<T>::PublishCertified(int k) {
 // 2c and 2c + 1), once all are published: the grid's best key (returned) and whether the bounds
 // certify it (the comment at the top); threshold gets T' for the exact round (-inf where no bound can
 // be used). A lane loads a CTA's pair at once; each word is written once a step, never 0, so that the
-// pair is the step's where both are nonzero. The whole warp calls it; every lane gets the same.
-__device__ __forceinline__ unsigned long long GatherCertified(const unsigned long long* pairs, int lane, int dtype,
-                                                              bool& certified, float& threshold) {
+// pair is the step's where both are nonzero. The whole warp calls it; every lane gets the same. The
+// best key's W1 row (prefetch_w1: no d2t, below the last step) is asked into L1 before the
+// certificate's arithmetic, which its latency then covers (nearly every certificate holds).
+__device__ __forceinline__ unsigned long long GatherCertified(const WalkArgs& a, const unsigned long long* pairs, int lane,
+                                                              int dtype, bool prefetch_w1, bool& certified,
+                                                              float& threshold) {
   constexpr int kPerLane = (kDirectMaxCtas + 31) / 32;
   unsigned long long key[kPerLane], word[kPerLane];
   bool ready;
@@ -238,31 +241,28 @@ __device__ __forceinline__ unsigned long long GatherCertified(const unsigned lon
   unsigned long long best = key[0];
 #pragma unroll
   for (int i = 1; i < kPerLane; ++i) best = key[i] > best ? key[i] : best;
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
-    best = other > best ? other : best;
-  }
+  best = WarpMaxKey(best);
+  if (prefetch_w1) PrefetchW1RowL1(a, ArgmaxKeyIndex(best), lane);
   // The winner's margin, and the highest up() of every other column: its CTA's best, or (the winner's
-  // CTA) its second-best; an unordered or unbounded one leaves the choice uncertified.
+  // CTA) its second-best; an unordered or unbounded one leaves the choice uncertified. Without
+  // branches, so that the CTAs' bounds are worked out side by side.
   float winner_margin = INFINITY, up = -INFINITY;
   bool bounded = true;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    if (key[i] == 1) continue;  // no CTA, or a CTA with no column of this request
+    const bool used = key[i] != 1;  // no CTA, or a CTA with no column of this request
+    const bool winner = key[i] == best;
     const float margin = __uint_as_float(uint32_t(word[i]) & 0x7fffffffu);
-    const uint32_t other = key[i] == best ? uint32_t(word[i] >> 32) : uint32_t(key[i] >> 32);
-    if (key[i] == best) winner_margin = margin;
-    if (other == 0) continue;  // the winner's CTA has no second column
+    const uint32_t other = winner ? uint32_t(word[i] >> 32) : uint32_t(key[i] >> 32);
+    const bool counts = used && other != 0;  // 0: the winner's CTA has no second column
     const float u = CertUpper(OrderedToFloat(other), margin, dtype);
-    bounded = bounded && u < INFINITY;
-    up = u > up ? u : up;
+    winner_margin = used && winner ? margin : winner_margin;
+    bounded = bounded && (!counts || u < INFINITY);
+    up = counts && u > up ? u : up;
   }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    winner_margin = fminf(winner_margin, __shfl_xor_sync(0xffffffffu, winner_margin, m));
-    up = fmaxf(up, __shfl_xor_sync(0xffffffffu, up, m));
-  }
+  // As ordered bits, one reduction each: a margin is never negative, and up is never NaN.
+  winner_margin = __uint_as_float(__reduce_min_sync(0xffffffffu, __float_as_uint(winner_margin)));
+  up = OrderedToFloat(__reduce_max_sync(0xffffffffu, OrderedScore(up)));
   bounded = __all_sync(0xffffffffu, bounded);
   const float y_a = KeyScore(best);
   threshold = fabsf(y_a) < INFINITY && winner_margin < INFINITY ? CertThreshold(y_a, winner_margin, dtype) : -INFINITY;
@@ -369,7 +369,8 @@ __device__ __forceinline__ void WalkCta<T>::ChooseCertifiedPass(int k, unsigned 
       } else if (inv_t[b] < 0.0f) {
         bool certified;
         float threshold;
-        const unsigned long long key = GatherCertified(a.slots + 2 * at, lane, dtype, certified, threshold);
+        const unsigned long long key =
+            GatherCertified(a, a.slots + 2 * at, lane, dtype, a.d2t == nullptr && k < steps, certified, threshold);
         take[u] = certified;
         row[u] = ArgmaxKeyIndex(key);
         if (!certified) {

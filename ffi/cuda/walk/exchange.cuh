@@ -19,6 +19,16 @@
 namespace jax_markov {
 namespace walk {
 
+// The largest of the warp's keys; every lane gets it.
+__device__ __forceinline__ unsigned long long WarpMaxKey(unsigned long long key) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, m);
+    key = other > key ? other : key;
+  }
+  return key;
+}
+
 // The direct exchange's key of request b at step k: the maximum over every CTA's slot, once all of
 // them are published (a published key is never 0). CTA c's key is at slots[kStride c] (2 where each
 // key has a bounds word beside it: the certified walk's pairs). The whole warp calls it; every lane
@@ -41,12 +51,7 @@ __device__ __forceinline__ unsigned long long GatherKey(const unsigned long long
   unsigned long long best = v[0];
 #pragma unroll
   for (int i = 1; i < kPerLane; ++i) best = v[i] > best ? v[i] : best;
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, m);
-    best = other > best ? other : best;
-  }
-  return best;
+  return WarpMaxKey(best);
 }
 
 // The exchange above kDirectBatch: N requests' choices of step `step` (requests first + u x stride, the
@@ -86,6 +91,13 @@ __device__ __forceinline__ void PrefetchW1Row(const WalkArgs& a, uint32_t token)
   for (int line = 0; line < kRank * ElementBytes(a.w1_dtype); line += 128) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(row + line));
   }
+}
+
+// The chosen W1 row asked into L1 by the warp that reads it next, each lane its own words of it.
+__device__ __forceinline__ void PrefetchW1RowL1(const WalkArgs& a, uint32_t token, int lane) {
+  const int row_bytes = kRank * ElementBytes(a.w1_dtype);
+  const char* at = static_cast<const char*>(a.w1) + size_t(ClampIndex(token, a.v_target)) * row_bytes + lane * (row_bytes / 32);
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
 }
 
 // The exchange above kDirectBatch, after a CTA barrier that orders its keys first: this CTA arrives
