@@ -1,8 +1,9 @@
 """How often a certified walk's greedy decision needs an exact round, on the benchmarks' head, in NumPy.
 
 The head and inputs are those of benchmarks/profile_kernel.py (W1, W2 of 0.05 N(0, 1) in bf16, base
-logits N(0, 1)), W2 quantized per row as `quantize` does (scale = max |w| / 127). A decision is the
-greedy choice of one request at one step, e the W1 row of a random token. Its bound keeps the leading
+logits N(0, 1)), W2 quantized by `quantize(head, certified=True)`, whose residual norms bound each row's
+quantization error. A decision is the greedy choice of one request at one step, e the W1 row of a
+random token. Its bound keeps the leading
 term of the kernel's margin (docs/kernel_design.md, section 8): M = rho ||e||_2, with rho the largest
 residual norm of the CTA's rows (132 CTAs of contiguous rows) or of the whole head. A decision needs an
 exact round where some column other than the int8 winner w has an upper bound s_v + M that reaches the
@@ -20,28 +21,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+
+import jax_markov as jm
 
 VOCAB, RANK, CTAS = 151936, 256, 132
 BATCHES = (1, 16, 64)
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    """x rounded to bfloat16 (nearest even), as float32."""
-    bits = x.astype(np.float32).view(np.uint32)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.view(np.float32)
 
 
 def model(decisions: int, vocab: int = VOCAB, seed: int = 0) -> tuple[dict[str, int], int, list[int]]:
     """Decisions that need an exact round under each margin, decisions whose exact choice differs
     from the int8 winner, and each decision's columns besides the winner within the head margin's bounds."""
     rng = np.random.default_rng(seed)
-    w2 = bf16(0.05 * rng.standard_normal((vocab, RANK), np.float32))
-    w1 = bf16(0.05 * rng.standard_normal((vocab, RANK), np.float32))
-    scale = np.abs(w2).max(1) / 127
-    w2q = (scale[:, None] * np.rint(w2 / scale[:, None])).astype(np.float32)
-    residual = np.linalg.norm(w2 - w2q, axis=1)
+    w1 = jnp.asarray(rng.standard_normal((vocab, RANK), np.float32) * 0.05, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((vocab, RANK), np.float32) * 0.05, jnp.bfloat16)
+    head = jm.quantize(jm.MarkovHead(w1, w2), certified=True)
+    w1, w2 = np.asarray(w1, np.float32), np.asarray(w2, np.float32)
+    q = head.quantized
+    w2q = np.asarray(q.scale)[:, None] * np.asarray(q.q, np.float32)
+    residual = np.asarray(head.residual_norm)
     cta = np.arange(vocab) // -(-vocab // CTAS)
     r_cta = np.zeros(CTAS)
     np.maximum.at(r_cta, cta, residual)
