@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import native
 from .head import FLOAT_DTYPES, CertifiedMarkovHead, MarkovHead, QuantizedMarkovHead
 
 IMPLS = ("auto", "reference", "ffi")
@@ -21,7 +22,8 @@ class WalkOperands(NamedTuple):
     """The arrays of one walk, in the order the custom calls take them.
 
     w2_scale is float32 [V] for an int8 head and float32 [0] for a float head;
-    d2t is int32 [V] or int32 [0] when no draft-to-target map is given.
+    d2t is int32 [V] or int32 [0] when no draft-to-target map is given;
+    w2_tiles is an int8 head's tiles (QuantizedMarkovHead.tiles), or int8 [0].
     """
 
     base_logits: jax.Array  # [B, K, V] bf16/f16/f32
@@ -33,13 +35,13 @@ class WalkOperands(NamedTuple):
     key: jax.Array  # [B, 2] uint32 Philox key words
     position: jax.Array  # [B] int32: the bits of Philox counter word 1 (uint32)(position)
     d2t: jax.Array  # [V] or [0] int32
+    w2_tiles: jax.Array  # [ceil(V / 64), 64 r] or [0] int8
 
 
 class CertifiedOperands(NamedTuple):
-    """What a CertifiedMarkovHead adds to the walk (operands 9 and 10 of the CPU custom call, passed
-    only for such a head; the CUDA custom call takes only the nine above): the unquantized W2 and the
-    residual norms of its rows, or two float32 [0] placeholders for any other head (the `markov_walk`
-    primitive always has all eleven operands)."""
+    """What a CertifiedMarkovHead adds to the walk (operands 10 and 11 of the custom calls, passed only
+    for such a head): the unquantized W2 and the residual norms of its rows, or two float32 [0]
+    placeholders for any other head (the `markov_walk` primitive always has all twelve operands)."""
 
     w2_exact: jax.Array  # [V, r] bf16/f16/f32, or float32 [0]
     residual_norm: jax.Array  # [V] or [0] float32
@@ -48,6 +50,24 @@ class CertifiedOperands(NamedTuple):
 def no_certificate() -> CertifiedOperands:
     """The placeholders of a head that is not certified."""
     return CertifiedOperands(jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+def no_tiles() -> jax.Array:
+    """The w2_tiles placeholder of a head without tiles."""
+    return jnp.zeros((0,), jnp.int8)
+
+
+def _tiles(head: QuantizedMarkovHead, q) -> jax.Array:
+    """head.tiles, checked against q's shape, or the placeholder (no tiles, or no plan module to say
+    their layout: then nothing could read them)."""
+    if head.tiles is None or not native.plan_available():
+        return no_tiles()
+    rows, order = native.w2_tile_layout()
+    shape = (-(-q.shape[0] // rows), order.size)
+    if head.tiles.dtype != jnp.int8 or head.tiles.shape != shape or q.shape[1] * rows != order.size:
+        raise ValueError(f"head.tiles must be int8 {list(shape)} (q stored tile by tile, see quantize) for q of shape "
+                         f"{list(q.shape)} with r * {rows} = {order.size}, got {head.tiles.dtype}{list(head.tiles.shape)}")
+    return head.tiles
 
 
 def is_certified(certified: CertifiedOperands) -> bool:
@@ -163,6 +183,7 @@ def walk_arguments(base_logits, anchor, head, *, temperature, key, position, voc
                              f"of W2), got {norms.dtype}{list(norms.shape)}")
         certified = CertifiedOperands(w2_exact, norms)
         head = head.quantized
+    w2_tiles = no_tiles()
     if isinstance(head, MarkovHead):
         w1, w2 = head.w1, head.w2
         w2_scale = jnp.zeros((0,), jnp.float32)
@@ -175,6 +196,7 @@ def walk_arguments(base_logits, anchor, head, *, temperature, key, position, voc
         if w2_scale.dtype != jnp.float32 or w2_scale.shape != w2.shape[:1]:
             raise ValueError(f"head.scale must be float32 [V] = {list(w2.shape[:1])} (one scale per row of q), "
                              f"got {w2_scale.dtype}{list(w2_scale.shape)}")
+        w2_tiles = _tiles(head, w2)
     else:
         kind = type(head).__qualname__
         kind = kind if type(head).__module__ == "builtins" else f"{type(head).__module__}.{kind}"
@@ -251,7 +273,7 @@ def walk_arguments(base_logits, anchor, head, *, temperature, key, position, voc
     if logits_dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise TypeError(f"logits_dtype must be float32, bfloat16 or float16, got {logits_dtype}")
 
-    operands = WalkOperands(base_logits, anchor, w1, w2, w2_scale, temperature, key, position, d2t)
+    operands = WalkOperands(base_logits, anchor, w1, w2, w2_scale, temperature, key, position, d2t, w2_tiles)
     params = WalkParams(vocab_size=int(vocab_size), logit_scale=logit_scale, sampling=sampling,
                         return_logits=bool(return_logits), logits_dtype=logits_dtype,
                         return_embeds=bool(return_embeds), impl=impl)

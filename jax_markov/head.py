@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import native
+
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_ROWS_LISTED = 10
 
@@ -58,11 +60,18 @@ class QuantizedMarkovHead:
 
     The [V, r] row-major int8 layout is what the CPU and CUDA custom calls read directly:
     one row of r = 256 int8 values is 256 contiguous bytes.
+
+    tiles: q stored tile by tile (`tile_w2(q)`), or None. The CUDA kernel of 17-64 requests moves each
+    64-row tile of W2 into shared memory by one bulk copy from it, instead of 1024 copies of 16 bytes
+    from q (docs/kernel_design.md); nothing else reads it. `quantize` makes it (the same bytes as q
+    again: 38 MB at V = 151936); the walk trusts that it holds q's bytes, so after changing q make the
+    head again with `quantize(QuantizedMarkovHead(w1, q, scale))`.
     """
 
     w1: jax.Array
     q: jax.Array
     scale: jax.Array
+    tiles: jax.Array | None = None
 
 
     @property
@@ -79,7 +88,7 @@ class QuantizedMarkovHead:
 
     @property
     def nbytes(self) -> int:
-        return self.w1.nbytes + self.q.nbytes + self.scale.nbytes
+        return self.w1.nbytes + self.q.nbytes + self.scale.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
 
     def dequantized_w2(self) -> jax.Array:
         """W2 as the walk uses it, in float32 (for inspection and tests; the walk never builds it)."""
@@ -87,8 +96,9 @@ class QuantizedMarkovHead:
 
     def __repr__(self):
         w2_bytes = self.q.nbytes + self.scale.nbytes
+        tiles = "None" if self.tiles is None else f"int8{list(self.tiles.shape)}"
         return (f"QuantizedMarkovHead(w1={self.w1.dtype}{list(self.w1.shape)}, q=int8{list(self.q.shape)}, "
-                f"scale=float32[{self.scale.shape[0]}], w2 memory={_mib(w2_bytes)}, "
+                f"scale=float32[{self.scale.shape[0]}], tiles={tiles}, w2 memory={_mib(w2_bytes)}, "
                 f"total memory={_mib(self.nbytes)})")
 
 
@@ -157,25 +167,31 @@ class CertifiedMarkovHead:
                 f"total memory={_mib(self.nbytes)})")
 
 
-def quantize(head, *, certified: bool = False) -> QuantizedMarkovHead | CertifiedMarkovHead:
+def quantize(head, *, certified: bool = False, tiles: bool = True) -> QuantizedMarkovHead | CertifiedMarkovHead:
     """int8 W2 with one fp32 scale per row, exactly as docs/spec.md: scale = max|row| / 127
     (1 for an all-zero row), q = round_half_even(W2 / scale) clipped to [-127, 127].
 
-    certified=True returns a CertifiedMarkovHead: the int8 head plus the unquantized W2 (the same
-    array, not a copy) and each row's residual norm, whose greedy rows choose what the unquantized
-    head chooses. quantize(h) of a QuantizedMarkovHead is h; of a CertifiedMarkovHead, its int8 head.
+    tiles: whether the int8 head also holds q stored tile by tile (QuantizedMarkovHead.tiles, made
+    where the package's plan module is built and r is the CUDA kernel's 256), which the CUDA walk of
+    17-64 requests reads faster; tiles=False saves its memory.
+
+    certified=True returns a CertifiedMarkovHead: the int8 head (without tiles: no kernel that walks a
+    certified head reads them) plus the unquantized W2 (the same array, not a copy) and each row's
+    residual norm, whose greedy rows choose what the unquantized head chooses. quantize(h) of a
+    QuantizedMarkovHead is h, its tiles made or dropped as `tiles` says; of a CertifiedMarkovHead, its
+    int8 head so.
 
     int8 cannot hold a NaN or an infinity: called eagerly, a W2 with such values is an error naming
     their rows; under a transformation (jit, vmap), where the values are not known, such a row gets
     a NaN scale (and q = 0), so that the int8 head's bias of that row is NaN, as the float head's is
     (and a NaN residual norm: the certified walk always re-scores that row exactly)."""
     if isinstance(head, CertifiedMarkovHead):
-        return head if certified else head.quantized
+        return head if certified else _with_tiles(head.quantized, tiles)
     if isinstance(head, QuantizedMarkovHead):
         if certified:
             raise TypeError("quantize(certified=True) needs the MarkovHead: a QuantizedMarkovHead no longer has "
                             "the unquantized W2 that certifies its greedy choices")
-        return head
+        return _with_tiles(head, tiles)
     if not isinstance(head, MarkovHead):
         raise TypeError(f"quantize expects a MarkovHead, got {type(head).__name__}")
     if head.w2.ndim != 2 or head.w2.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
@@ -202,8 +218,32 @@ def quantize(head, *, certified: bool = False) -> QuantizedMarkovHead | Certifie
     scale = jnp.where(finite, scale, jnp.float32(jnp.nan))
     quantized = QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)
     if not certified:
-        return quantized
+        return _with_tiles(quantized, tiles)
     return CertifiedMarkovHead(quantized=quantized, w2=head.w2, residual_norm=residual_norm(w2, q, scale, amax))
+
+
+def _with_tiles(head: QuantizedMarkovHead, tiles: bool) -> QuantizedMarkovHead:
+    """head with its tiles made (where tile_w2 makes them) or dropped; head itself where that changes nothing."""
+    if not tiles:
+        return head if head.tiles is None else dataclasses.replace(head, tiles=None)
+    made = None if head.tiles is not None else tile_w2(head.q)
+    return head if made is None else dataclasses.replace(head, tiles=made)
+
+
+def tile_w2(q) -> jax.Array | None:
+    """int8 q [V, r] stored tile by tile (QuantizedMarkovHead.tiles): int8 [ceil(V / rows), rows x r], a
+    tile's rows zero past V and its bytes in the order that the CUDA kernel holds a tile in shared
+    memory (native.w2_tile_layout, from ffi/plan). None where the plan module is not built or r is not
+    the kernel's rank (no kernel would read it)."""
+    if not native.plan_available():
+        return None
+    rows, order = native.w2_tile_layout()
+    vocab, rank = q.shape
+    if rows * rank != order.size:
+        return None
+    count = -(-vocab // rows)
+    padded = jnp.pad(q, ((0, count * rows - vocab), (0, 0)))
+    return jnp.take(padded.reshape(count, rows * rank), order, axis=1)
 
 
 def residual_norm(w2, q, scale, amax):

@@ -100,20 +100,33 @@ def cuda_columns_per_request(w1_dtype, w2_dtype) -> int:
     return _plan_module().columns_per_request(_name(w2_dtype), _name(w1_dtype))
 
 
+@functools.cache
+def w2_tile_layout() -> tuple[int, np.ndarray]:
+    """W2 stored tile by tile (QuantizedMarkovHead.tiles, ffi/plan/walk_plan.h's W2TileOrder): the rows
+    of a tile, and for each byte of a stored tile the index of its byte in the tile's rows of W2 taken
+    row-major (int32 [rows x r], a permutation). Needs no GPU."""
+    layout = _plan_module().w2_tile_layout()
+    order = np.asarray(layout["order"], np.int32)
+    order.setflags(write=False)
+    return int(layout["rows"]), order
+
+
 def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2_dtype, *, base_dtype=np.float32,
                      logits_dtype=None, sampling: bool = False, props: dict | None = None,
-                     certified: bool = False) -> list[dict]:
+                     certified: bool = False, w2_tiles: bool = False) -> list[dict]:
     """The launches of a CUDA walk (ffi/plan/walk_plan.h) on this machine's GPU (an H100/H200 where none
     can be asked, or `props`): per launch its kernel, requests, threads, shared memory and resident W2
     tiles, whether its rows may sample, and when it walks ("run_when": "always", or for a sampled call
     whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples", and
     for a certified head's sampled call the plain sampled walk "all_rows_sample" after the certified
     "some_row_greedy", or "mixed_rows" where a greedy launch precedes it; decided on the device from
-    the temperatures). certified: a CertifiedMarkovHead's walk. ValueError naming the limit where the
-    kernel cannot walk the call."""
+    the temperatures), and whether its W2 tiles land by bulk copies ("w2_tiled"). certified: a
+    CertifiedMarkovHead's walk; w2_tiles: the head carries W2 stored tile by tile (QuantizedMarkovHead.tiles).
+    ValueError naming the limit where the kernel cannot walk the call."""
     return [dict(p) for p in _plan_module().plan(
         batch, steps, vocab, rank, _name(w2_dtype), _name(w1_dtype), _name(base_dtype),
-        None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties(), certified)]
+        None if logits_dtype is None else _name(logits_dtype), sampling, props or _gpu_properties(), certified,
+        w2_tiles)]
 
 
 def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, logits_out: bool = False,

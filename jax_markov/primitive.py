@@ -44,7 +44,7 @@ def vary_like(x, *others):
     return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
-# The primitive's operands: the walk's nine, then a CertifiedMarkovHead's two (placeholders otherwise).
+# The primitive's operands: the walk's ten, then a CertifiedMarkovHead's two (placeholders otherwise).
 _WALK_OPERANDS = len(arguments.WalkOperands._fields)
 _OPERAND_NAMES = arguments.WalkOperands._fields + arguments.CertifiedOperands._fields
 
@@ -81,7 +81,7 @@ def _reference_rule(ctx, *args, params):
 
 def _ffi_call(params, *ops):
     """The custom call on operands as its device holds them (all of them, or its own rows): the
-    walk's nine, and a CertifiedMarkovHead's two after them."""
+    walk's ten, and a CertifiedMarkovHead's two after them."""
     shapes = arguments.output_shapes(arguments.WalkOperands(*ops[:_WALK_OPERANDS]), params)
     return jax.ffi.ffi_call(native.TARGET, shapes)(
         *ops, vocab_size=np.int64(params.vocab_size), logit_scale=np.float32(params.logit_scale),
@@ -93,7 +93,7 @@ def _ffi_call(params, *ops):
 # "b") be split: each device walks its own rows with the whole head, and anything split otherwise
 # (a vocabulary-split head or base logits) is gathered first. [0] placeholders get factors of their own.
 _FACTORS = (*arguments.WalkOperands(base_logits="b k v", anchor="b", w1="t r", w2="v r", w2_scale="v",
-                                    temperature="b", key="b w", position="b", d2t="v"),
+                                    temperature="b", key="b w", position="b", d2t="v", w2_tiles="n z"),
             *arguments.CertifiedOperands(w2_exact="v r", residual_norm="v"))
 _OUTPUT_FACTORS = ("b k", "b k v", "b k r")
 _PER_REQUEST = ("base_logits", "anchor", "temperature", "key", "position")

@@ -122,7 +122,7 @@ def walk_operands(ops: arguments.WalkOperands, params: arguments.WalkParams,
 
     With a certificate (a CertifiedMarkovHead; placeholders otherwise) greedy rows choose from the
     unquantized W2's l_k and everything else (sampled rows, the logits returned) is the int8 head's."""
-    base, anchor, w1, w2, w2_scale, temperature, key, position, d2t = ops
+    base, anchor, w1, w2, w2_scale, temperature, key, position, d2t, _ = ops  # w2_tiles: the CUDA kernel's
     exact_w2 = certified.w2_exact if arguments.is_certified(certified) else None
     v_target = w1.shape[0]
     scores = step_scorer(0, base.shape[2], temperature, key, position, params)

@@ -14,7 +14,8 @@ whose axes are Auto or Explicit (`jax.make_mesh`'s default in jax >= 0.10):
   (`w1_sharded=True`). Each step scores the local vocabulary shard and the devices agree on the
   token through ONE small all-gather of (ordered best score, target id) per request, [n, B, 2]
   uint32, so the tokens are exactly those of the single-device walk. With `w1_sharded=True` the
-  embedding W1[prev] of the next step costs a second collective per step (a psum of [B, r]).
+  embedding W1[prev] of the next step costs a second collective per step (a psum of [B, r]). An int8
+  head's tiles (QuantizedMarkovHead.tiles) are not used in this layout.
 - layout="replicated": the head is replicated and the base logits are gathered over every axis
   not in `batch_axis` (default: none): each device walks all the rows of its batch group. One
   all-gather of the base logits up front (when they arrive vocab-sharded), no collective per step.
@@ -101,6 +102,8 @@ def walk(base_logits, anchor, head, *, mesh=None, layout="batch", batch_axis=Non
         raise ValueError(f"w1_sharded: V_target = {ops.w1.shape[0]} must be a multiple of the size {n_vocab} "
                          f"of vocab_axis {vocab_axes}")
 
+    if layout == "vocab":  # a device's tiles would have to be those of its vocabulary shard
+        ops = ops._replace(w2_tiles=arguments.no_tiles())
     in_specs, out_specs = _specs(ops, params, batch_axes, vocab_axes, w1_sharded)
     ops = arguments.WalkOperands(*[_place(x, mesh, s) for x, s in zip(ops, in_specs)])
     if layout == "vocab":
@@ -137,7 +140,7 @@ def _specs(ops, params, batch_axes, vocab_axes, w1_sharded):
     per_v = lambda x: P(v) if x.shape[0] else P()  # w2_scale / d2t, which may be empty
     in_specs = arguments.WalkOperands(
         base_logits=P(b, None, v), anchor=P(b), w1=P(v) if w1_sharded else P(), w2=P(v),
-        w2_scale=per_v(ops.w2_scale), temperature=P(b), key=P(b), position=P(b), d2t=per_v(ops.d2t))
+        w2_scale=per_v(ops.w2_scale), temperature=P(b), key=P(b), position=P(b), d2t=per_v(ops.d2t), w2_tiles=P())
     # Unrequested outputs are [0] placeholders that vary like the requests do.
     out_specs = (P(b), P(b, None, v) if params.return_logits else P(b), P(b))
     return in_specs, out_specs
@@ -180,7 +183,7 @@ def _local_logits(base_k, e, w2, w2_scale, params):
     ops = arguments.WalkOperands(
         base_logits=base_k[:, None, :], anchor=anchor, w1=e, w2=w2, w2_scale=w2_scale,
         temperature=jnp.zeros((b,), jnp.float32), key=jnp.zeros((b, 2), jnp.uint32),
-        position=jnp.zeros((b,), jnp.int32), d2t=jnp.zeros((0,), jnp.int32))
+        position=jnp.zeros((b,), jnp.int32), d2t=jnp.zeros((0,), jnp.int32), w2_tiles=arguments.no_tiles())
     one_step = dataclasses.replace(params, vocab_size=v_local, sampling=False, return_logits=True,
                                    logits_dtype=jnp.dtype(jnp.float32), return_embeds=False)
     _, logits, _ = primitive.bind(ops, one_step)  # varies wherever its operands do
@@ -191,7 +194,7 @@ def _vocab_parallel_body(params, vocab_axes, w1_sharded, n_vocab):
     """The per-device walk of the vocab layout (inside shard_map): the reference walk of docs/spec.md on
     a vocabulary shard, with global column indices, and one all-gather per step to agree."""
 
-    def body(base, anchor, w1, w2, w2_scale, temperature, key, position, d2t):
+    def body(base, anchor, w1, w2, w2_scale, temperature, key, position, d2t, w2_tiles):
         v_local = base.shape[2]
         shard = lax.axis_index(vocab_axes)
         offset = shard * v_local

@@ -178,6 +178,28 @@ def test_argument_errors_at_trace_time(mutate, exc, match):
             trace_walk(reference.walk, **mutate(kw))
 
 
+@pytest.mark.skipif(not native.plan_available(), reason="the jax_markov plan module is not built")
+def test_tiles_errors_at_trace_time():
+    """head.tiles must be q stored tile by tile: int8 [ceil(V / 64), 64 r] with r = 256."""
+    rng = np.random.default_rng(3)
+    head = jax_markov.quantize(MarkovHead(jnp.asarray(rng.normal(size=(40, 256)), jnp.bfloat16),
+                                          jnp.asarray(rng.normal(size=(100, 256)), jnp.bfloat16)))
+    kw = dict(base_logits=jnp.asarray(rng.normal(size=(2, 3, 100)), jnp.float32), anchor=jnp.arange(2))
+    assert head.tiles.shape == (2, 16384)
+    trace_walk(**kw, head=head)
+    for tiles, got in [(head.tiles[:1], r"int8\[1, 16384\]"), (head.tiles.astype(jnp.uint8), r"uint8\[2, 16384\]"),
+                       (head.tiles.reshape(4, 8192), r"int8\[4, 8192\]")]:
+        bad = QuantizedMarkovHead(head.w1, head.q, head.scale, tiles)
+        with pytest.raises(ValueError, match=rf"head.tiles must be int8 \[2, 16384\] .*got {got}"):
+            trace_walk(**kw, head=bad)
+    narrow = _valid()  # r = 8: no tiles are made, and none fit
+    q = jax_markov.quantize(narrow["head"])
+    assert q.tiles is None
+    bad = QuantizedMarkovHead(q.w1, q.q, q.scale, jnp.zeros((1, 16384), jnp.int8))
+    with pytest.raises(ValueError, match=r"head.tiles must be .* with r \* 64 = 16384"):
+        trace_walk(**dict(narrow, head=bad))
+
+
 def test_traced_static_arguments_rejected():
     kw = _valid()
     with pytest.raises(TypeError, match="logit_scale must be a static Python float"):

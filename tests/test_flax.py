@@ -111,6 +111,13 @@ def test_int8_layout_is_made_once_when_set_or_loaded(monkeypatch):
     want = real(jax_markov.MarkovHead(head.markov_w1[...], head.markov_w2[...]))
     np.testing.assert_array_equal(head.markov_w2_int8[...], want.q)
     np.testing.assert_array_equal(head.markov_w2_scale[...], want.scale)
+    assert head.head().tiles is None and want.tiles is None  # r = 16: no kernel reads tiles
+    if jax_markov.native.plan_available():  # r = 256: the tiles are stored with the layout, and walked
+        wide = jmf.MarkovHead(100, 256, param_dtype=jnp.float32, rngs=nnx.Rngs(1), zero_w2=False, markov_quantization="int8")
+        tiled = real(jax_markov.MarkovHead(wide.markov_w1[...], wide.markov_w2[...]))
+        assert tiled.tiles is not None
+        np.testing.assert_array_equal(wide.head().tiles, tiled.tiles)
+        del calls[1:]  # the wide head's own quantization
     base = jnp.asarray(np.random.default_rng(0).normal(0, 1, (3, 4, V)), jnp.float32)
     anchor = jnp.array([1, 2, 3])
     for _ in range(3):  # eager calls and a jitted one: no quantization per call

@@ -143,10 +143,10 @@ def _custom_call_operands(text: str) -> int:
 def test_lowering_ffi_for_cuda():
     if native.cuda_available():
         text = _lowered_text("cuda", "ffi")
-        # The CUDA handler binds the walk's nine operands (ffi/README.md); a CertifiedMarkovHead's two
+        # The CUDA handler binds the walk's ten operands (ffi/README.md); a CertifiedMarkovHead's two
         # more come only with that head (tests/test_certified.py).
-        assert _custom_call_operands(text) == 9
-        assert _custom_call_operands(_lowered_text("cuda", "ffi", quantized=False)) == 9
+        assert _custom_call_operands(text) == 10
+        assert _custom_call_operands(_lowered_text("cuda", "ffi", quantized=False)) == 10
         with pytest.raises(ValueError, match=r"impl='ffi' on cuda: the CUDA kernel needs rank r = 256"):
             _lowered_text("cuda", "ffi", rank=R)
     else:

@@ -28,10 +28,10 @@ FLOATS = ("bfloat16", "float16", "float32")
 LOGITS = (None, "bfloat16", "float32", "float16")
 
 
-def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props, certified=False):
+def _plans(batch, steps, vocab, w2, w1, base, logits, sampling, props, certified=False, w2_tiles=False):
     return native.cuda_launch_plan(batch, steps, vocab, native.cuda_envelope()["rank"], jnp.dtype(w1), jnp.dtype(w2),
                                    base_dtype=jnp.dtype(base), logits_dtype=None if logits is None else jnp.dtype(logits),
-                                   sampling=sampling, props=props, certified=certified)
+                                   sampling=sampling, props=props, certified=certified, w2_tiles=w2_tiles)
 
 
 # The batch classes (walk_config.h's BatchClass) in which a launch of each run_when walks.
@@ -86,8 +86,29 @@ def test_every_plan_is_an_instantiated_kernel_that_fits():
             assert sampling or p["run_when"] == "always", "only sampled calls are guarded"
             if p["family"] == "transposed":
                 assert w2 == "int8" and 16 < p["batch"] <= 64 and vocab % 8 == 0, (case, p)
+            assert not p["w2_tiled"], "no tiles were given"
+        if w2 == "int8":  # with the head's tiles: the same launches, the transposed ones reading the tiles
+            tiled = _plans(*case, w2_tiles=True)
+            assert [dict(p, w2_tiled=False) for p in tiled] == plans, case
+            assert [p["w2_tiled"] for p in tiled] == [p["family"] == "transposed" for p in plans], case
         checked += 1
     assert checked > 1500
+
+
+def test_w2_tile_order_is_the_transposed_tile_layout():
+    """A stored tile holds byte k of the tile's row TileRow(n) where the kernel's shared-memory tile
+    does (smem_layout.h, restated here): at [k / 32][n / 8][(k % 32) / 16][n % 8][k % 16] of a 64 x 256
+    tile, row TileRow(n) = 16 ((n % 8) / 2) + 2 (n / 8) + n % 2; every byte once."""
+    rows, order = native.w2_tile_layout()
+    rank = native.cuda_envelope()["rank"]
+    assert rows == 64 and order.dtype == np.int32 and order.shape == (rows * rank,)
+    assert np.array_equal(np.sort(order), np.arange(rows * rank))
+    n, k = np.meshgrid(np.arange(rows), np.arange(rank), indexing="ij")
+    offset = (k // 32) * (rows * 32) + (n // 8) * 256 + ((k % 32) // 16) * 128 + (n % 8) * 16 + k % 16
+    tile_row = 16 * ((n % 8) // 2) + 2 * (n // 8) + n % 2
+    assert np.array_equal(order[offset.ravel()], (tile_row * rank + k).ravel())
+    with pytest.raises(ValueError, match="read-only"):
+        order[0] = 1
 
 
 def test_every_instantiated_kernel_is_some_plan():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_markov
-from jax_markov import reference
+from jax_markov import native, reference
 
 def quantize_np(w2):
     w2 = np.asarray(w2, np.float32)
@@ -53,14 +53,63 @@ def test_head_repr_reports_memory():
     total = (vt * r * 2 + v * r * 2) / 2**20
     assert head.nbytes == vt * r * 2 + v * r * 2
     assert repr(head) == f"MarkovHead(w1=bfloat16[{vt}, {r}], w2=bfloat16[{v}, {r}], memory={total:.1f} MiB)"
-    qhead = jax_markov.quantize(head)
+    qhead = jax_markov.quantize(head, tiles=False)
     w2_bytes = v * r + 4 * v
     assert qhead.nbytes == vt * r * 2 + w2_bytes
     text = repr(qhead)
     assert f"w2 memory={w2_bytes / 2**20:.1f} MiB" in text
     assert f"total memory={(vt * r * 2 + w2_bytes) / 2**20:.1f} MiB" in text
-    assert f"q=int8[{v}, {r}]" in text and (head.rank, head.draft_vocab, head.target_vocab) == (r, v, vt)
+    assert f"q=int8[{v}, {r}]" in text and "tiles=None" in text
+    assert (head.rank, head.draft_vocab, head.target_vocab) == (r, v, vt)
     assert (qhead.rank, qhead.draft_vocab, qhead.target_vocab) == (r, v, vt)
+    if native.plan_available():  # the tiles: q's bytes again, V / 64 tiles of 64 rows
+        tiled = jax_markov.quantize(head)
+        assert tiled.nbytes == qhead.nbytes + v * r and f"tiles=int8[{v // 64}, {64 * r}]" in repr(tiled)
+        assert f"total memory={(vt * r * 2 + w2_bytes + v * r) / 2**20:.1f} MiB" in repr(tiled)
+
+
+def _tiles_np(q):
+    """q stored tile by tile as native.w2_tile_layout says, from NumPy: rows past V zero."""
+    rows, order = native.w2_tile_layout()
+    count = -(-q.shape[0] // rows)
+    padded = np.zeros((count * rows, q.shape[1]), np.int8)
+    padded[:q.shape[0]] = q
+    return padded.reshape(count, -1)[:, order]
+
+
+@pytest.mark.skipif(not native.plan_available(), reason="the jax_markov plan module is not built")
+@pytest.mark.parametrize("vocab", [64, 200, 1000])
+def test_quantize_stores_q_tile_by_tile(rng, vocab):
+    """quantize's tiles hold q's bytes in the plan's tile order (tests/test_plan.py pins that order
+    against the kernel's layout), eagerly, under jit and under vmap; quantize adds them to a head
+    without, drops them with tiles=False, and never gives them to a certified head or to a rank the
+    CUDA kernel does not walk."""
+    w1 = jnp.asarray(rng.normal(0, 1, (50, 256)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.normal(0, 0.3, (vocab, 256)), jnp.bfloat16)
+    head = jax_markov.MarkovHead(w1, w2)
+    qhead = jax_markov.quantize(head)
+    want = _tiles_np(np.asarray(qhead.q))
+    assert qhead.tiles.dtype == jnp.int8 and qhead.tiles.shape == (-(-vocab // 64), 64 * 256)
+    np.testing.assert_array_equal(np.asarray(qhead.tiles), want)
+    rows_back = np.empty_like(want)  # undo the order: q's rows, then zero rows up to a whole tile
+    rows_back[:, native.w2_tile_layout()[1]] = want
+    np.testing.assert_array_equal(rows_back.reshape(-1, 256)[:vocab], np.asarray(qhead.q))
+    assert not rows_back.reshape(-1, 256)[vocab:].any()
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax_markov.quantize)(head).tiles), want)
+    heads = jax_markov.MarkovHead(jnp.stack([w1, -w1]), jnp.stack([w2, -w2]))
+    both = jax.vmap(jax_markov.quantize)(heads)
+    np.testing.assert_array_equal(np.asarray(both.tiles[0]), want)
+    np.testing.assert_array_equal(np.asarray(both.tiles[1]), _tiles_np(-np.asarray(qhead.q)))
+
+    bare = jax_markov.quantize(head, tiles=False)
+    assert bare.tiles is None and jax_markov.quantize(bare, tiles=False) is bare
+    np.testing.assert_array_equal(np.asarray(jax_markov.quantize(bare).tiles), want)
+    assert jax_markov.quantize(qhead) is qhead and jax_markov.quantize(qhead, tiles=False).tiles is None
+    certified = jax_markov.quantize(head, certified=True)
+    assert certified.quantized.tiles is None
+    np.testing.assert_array_equal(np.asarray(jax_markov.quantize(certified).tiles), want)
+    narrow = jax_markov.MarkovHead(w1[:, :128], w2[:, :128])
+    assert jax_markov.quantize(narrow).tiles is None
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -72,6 +72,11 @@ MARKOV_HOST_DEVICE constexpr int OperandOffset(int rows, int row, int k) {
   return (k / 32) * (rows * 32) + (row / 8) * 256 + ((k % 32) / 16) * 128 + (row % 8) * 16 + k % 16;
 }
 MARKOV_HOST_DEVICE constexpr int TransposedOffset(int row, int k) { return OperandOffset(64, row, k); }
+// The row of a 64-row W2 tile (0-63) at the transposed kernel's wgmma column n: the accumulator
+// columns 8 j + 2 t + h (j < 8, h < 2) of the threads of column pair t hold rows 16 t + 2 j + h. A tile
+// in shared memory holds element k of row TileRow(n) at TransposedOffset(n, k), and so does a tile of
+// W2 stored tile by tile (QuantizedMarkovHead.tiles, W2TileOrder in plan/walk_plan.h).
+MARKOV_HOST_DEVICE constexpr int TileRow(int n) { return 16 * ((n % 8) / 2) + 2 * (n / 8) + n % 2; }
 
 // The transposed kernel's A operands (e's two int8 digits a request). Unpacked, operand d holds digit d
 // of request b in row b. PACKED (up to kPackedMaxBatch requests), the one operand holds digit d of
@@ -128,11 +133,15 @@ static_assert(DigitLayout<true, false>::Consistent() && DigitLayout<false, false
 
 // MarkovWalkTransposedKernel's shared memory: the A operands (DigitLayout), the per-request state
 // (padded to 1024 bytes), the W2 scales, one streamed-tile slot per warpgroup, then the resident tiles
-// (each tile 1024-byte aligned, as are the operands).
+// (each tile 1024-byte aligned, as are the operands). The state ends with two mbarriers a warpgroup:
+// its turn to issue wgmmas, and its slot's bulk copy landed; then one a resident tile that lands by a
+// bulk copy.
 template <bool PACKED, bool ROTATED, int WARPGROUPS>
 struct TransposedSmem {
   static constexpr int kDigitsBytes = DigitLayout<PACKED, ROTATED>::kBytes;
-  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16 + 8 * 4;  // cta_best, unscale, last-CTA flag, turns
+  static constexpr int kResidentBarriers = 16;  // resident tiles that land by bulk copies, at most
+  // cta_best, unscale, last-CTA flag, mbarriers (turns, streamed slots, resident tiles)
+  static constexpr int kStateBytes = kMaxBatch * (8 + 4) + 16 + 2 * 8 * 4 + 8 * kResidentBarriers;
   static constexpr int kRingBytes = WARPGROUPS * kTransposedTileBytes;
   MARKOV_HOST_DEVICE static constexpr int ScalesBytes(int rows_per_cta) { return (rows_per_cta * 4 + 1023) / 1024 * 1024; }
   MARKOV_HOST_DEVICE static constexpr int FixedBytes(int rows_per_cta) {

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "common/walk_common.h"
+#include "common/walk_config.h"
 #include "cpu/certified.h"
 #include "cpu/chunk.h"
 #include "cpu/headroom.h"
@@ -143,7 +144,8 @@ ffi::Error Bad(const std::string& what) { return ffi::Error::InvalidArgument("ja
 }  // namespace
 ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuffer anchor, ffi::AnyBuffer w1,
                          ffi::AnyBuffer w2, ffi::AnyBuffer w2_scale, ffi::AnyBuffer temperature, ffi::AnyBuffer key,
-                         ffi::AnyBuffer position, ffi::AnyBuffer d2t, ffi::RemainingArgs certificate,
+                         ffi::AnyBuffer position, ffi::AnyBuffer d2t, ffi::AnyBuffer w2_tiles,
+                         ffi::RemainingArgs certificate,
                          ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size,
                          float logit_scale, bool sampling) {
@@ -186,10 +188,18 @@ ffi::Error MarkovWalkCpu(ffi::ThreadPool pool, ffi::AnyBuffer base, ffi::AnyBuff
   if (d2t.element_type() != ffi::DataType::S32 || !(has_d2t || HasShape(d2t.dimensions(), {0}))) {
     return Bad("d2t must be s32 [V] or [0], got " + Dims(d2t.dimensions()));
   }
+  // W2 stored tile by tile for the CUDA kernel (QuantizedMarkovHead.tiles): checked, not read (this walk
+  // reads w2).
+  const int64_t tiles = (V + walk::kTransposedTileRows - 1) / walk::kTransposedTileRows;
+  if (w2_tiles.element_type() != ffi::DataType::S8 ||
+      !(HasShape(w2_tiles.dimensions(), {0}) || (int8 && HasShape(w2_tiles.dimensions(), {tiles, walk::kTransposedTileBytes})))) {
+    return Bad("w2_tiles must be s8 [ceil(V / " + std::to_string(walk::kTransposedTileRows) + "), " +
+               std::to_string(walk::kTransposedTileBytes) + "] beside an s8 w2, or [0], got " + Dims(w2_tiles.dimensions()));
+  }
   // A CertifiedMarkovHead adds two operands: the unquantized W2 and its rows' residual norms.
   if (certificate.size() != 0 && certificate.size() != 2) {
-    return Bad("expected 9 operands, or 11 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
-               std::to_string(9 + certificate.size()));
+    return Bad("expected 10 operands, or 12 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
+               std::to_string(10 + certificate.size()));
   }
   const bool certified = certificate.size() == 2;
   const void* w2_exact_data = nullptr;
@@ -373,6 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMarkovWalkCpu, jax_markov::cpu::MarkovWalkCpu,
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // position
                                   .Arg<ffi::AnyBuffer>()  // d2t
+                                  .Arg<ffi::AnyBuffer>()  // w2_tiles (checked, not read)
                                   .RemainingArgs()        // w2_exact, residual_norm: a CertifiedMarkovHead's
                                   .Ret<ffi::AnyBuffer>()  // tokens
                                   .Ret<ffi::AnyBuffer>()  // logits

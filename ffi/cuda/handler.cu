@@ -150,7 +150,7 @@ int W2Code(ffi::DataType t) {
 ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> anchor, ffi::AnyBuffer w1,
                               ffi::AnyBuffer w2, ffi::Buffer<ffi::F32> w2_scale, ffi::Buffer<ffi::F32> temperature,
                               ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> d2t,
-                              ffi::RemainingArgs certificate, ffi::Result<ffi::Buffer<ffi::S32>> tokens,
+                              ffi::AnyBuffer w2_tiles, ffi::RemainingArgs certificate, ffi::Result<ffi::Buffer<ffi::S32>> tokens,
                               ffi::Result<ffi::AnyBuffer> logits, ffi::Result<ffi::AnyBuffer> embeds, int64_t vocab_size,
                               float logit_scale, bool sampling) {
   const auto bd = base.dimensions();
@@ -182,10 +182,20 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
     return Invalid("anchor, temperature, key and position must have B requests");
   }
   if (d2t.element_count() != 0 && d2t.element_count() != vocab) return Invalid("d2t must be [V] or empty");
+  // W2 stored tile by tile (QuantizedMarkovHead.tiles), or empty. Bulk copies read it 16 bytes aligned.
+  if (w2_tiles.element_count() != 0) {
+    const auto td = w2_tiles.dimensions();
+    const int64_t tiles = (vocab + kTransposedTileRows - 1) / kTransposedTileRows;
+    if (!int8 || w2_tiles.element_type() != ffi::DataType::S8 || td.size() != 2 || td[0] != tiles || td[1] != kTransposedTileBytes) {
+      return Invalid("w2_tiles must be s8 [ceil(V / " + std::to_string(kTransposedTileRows) + "), " +
+                     std::to_string(kTransposedTileBytes) + "] beside an s8 w2, or empty");
+    }
+    call.w2_tiled = reinterpret_cast<uintptr_t>(w2_tiles.untyped_data()) % 16 == 0;
+  }
   // A CertifiedMarkovHead adds two operands: the unquantized W2 and its rows' residual norms.
   if (certificate.size() != 0 && certificate.size() != 2) {
-    return Invalid("expected 9 operands, or 11 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
-                   std::to_string(9 + certificate.size()));
+    return Invalid("expected 10 operands, or 12 with a CertifiedMarkovHead's w2_exact and residual_norm, got " +
+                   std::to_string(10 + certificate.size()));
   }
   call.certified = certificate.size() == 2;
   const void* w2_exact_data = nullptr;
@@ -272,6 +282,7 @@ ffi::Error MarkovWalkCudaImpl(cudaStream_t stream, ffi::AnyBuffer base, ffi::Buf
     part.logits_staged = p.logits_staged;
     part.sampling = p.sampling;
     part.run_when = p.run_when;
+    part.w2_tiles = p.w2_tiled ? static_cast<const int8_t*>(w2_tiles.untyped_data()) : nullptr;
     const void* kernel = KernelFunction(p.kernel);
     if (kernel == nullptr) {
       return ffi::Error(ffi::ErrorCode::kInternal, "jax_markov CUDA walk: the plan names a kernel the build does not instantiate: " +
@@ -370,6 +381,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MarkovWalkCuda, jax_markov::walk::MarkovWalkCudaIm
                                   .Arg<ffi::Buffer<ffi::U32>>()    // key
                                   .Arg<ffi::Buffer<ffi::S32>>()    // position
                                   .Arg<ffi::Buffer<ffi::S32>>()    // d2t
+                                  .Arg<ffi::AnyBuffer>()           // w2_tiles
                                   .RemainingArgs()                 // w2_exact, residual_norm: a CertifiedMarkovHead's
                                   .Ret<ffi::Buffer<ffi::S32>>()    // tokens
                                   .Ret<ffi::AnyBuffer>()           // logits

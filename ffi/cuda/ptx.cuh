@@ -52,6 +52,12 @@ __device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
+// Arrives on `bar` and adds `bytes` to the transaction count that its current phase waits for (the bytes
+// of the async copies that complete on it).
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
+}
+
 // Waits for the phase of `bar` with this parity to complete.
 __device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
   asm volatile(

@@ -44,7 +44,7 @@ DeviceProperties Properties(const nb::dict& d) {
 }
 
 WalkCall Call(int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-              const std::string& base, const std::optional<std::string>& logits, bool sampling, bool certified) {
+              const std::string& base, const std::optional<std::string>& logits, bool sampling, bool certified, bool w2_tiled) {
   WalkCall c;
   c.batch = batch;
   c.steps = steps;
@@ -56,6 +56,7 @@ WalkCall Call(int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const s
   c.logits_dtype = logits ? DType(*logits) : jax_markov::walk::kNone;
   c.sampling = sampling;
   c.certified = certified;
+  c.w2_tiled = w2_tiled;
   return c;
 }
 
@@ -103,32 +104,35 @@ NB_MODULE(_markov_plan, m) {
   m.def(
       "unsupported",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
-        const std::string why = jax_markov::walk::Unsupported(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified), Properties(props));
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified,
+         bool w2_tiled) {
+        const std::string why = jax_markov::walk::Unsupported(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified, w2_tiled), Properties(props));
         if (why.empty()) return std::optional<std::string>();
         return std::optional<std::string>(W2Format(w2) < 0 ? why + ", got " + w2 : why);
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
-      nb::arg("certified") = false,
+      nb::arg("certified") = false, nb::arg("w2_tiles") = false,
       "Why the CUDA kernel cannot walk this call on a GPU with these properties, or None.");
   m.def(
       "slower_than_reference",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified,
+         bool w2_tiled) {
         const std::string why =
-            jax_markov::walk::SlowerThanReference(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified), Properties(props));
+            jax_markov::walk::SlowerThanReference(Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified, w2_tiled), Properties(props));
         return why.empty() ? std::optional<std::string>() : std::optional<std::string>(why);
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
-      nb::arg("certified") = false,
+      nb::arg("certified") = false, nb::arg("w2_tiles") = false,
       "Why impl='auto' takes the reference although the kernel can walk this call (int8 W2 past L2), or None.");
   m.def(
       "plan",
       [](int64_t batch, int64_t steps, int64_t vocab, int64_t rank, const std::string& w2, const std::string& w1,
-         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified) {
-        const WalkCall call = Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified);
+         const std::string& base, const std::optional<std::string>& logits, bool sampling, const nb::dict& props, bool certified,
+         bool w2_tiled) {
+        const WalkCall call = Call(batch, steps, vocab, rank, w2, w1, base, logits, sampling, certified, w2_tiled);
         const DeviceProperties p = Properties(props);
         const std::string why = jax_markov::walk::Unsupported(call, p);
         if (!why.empty()) throw std::invalid_argument(why);
@@ -146,6 +150,7 @@ NB_MODULE(_markov_plan, m) {
           d["noise_tiles"] = l.noise_tiles;
           d["logits_staged"] = l.logits_staged;
           d["sampling"] = l.sampling;
+          d["w2_tiled"] = l.w2_tiled;
           d["run_when"] = RunWhenName(l.run_when);
           launches.append(d);
         }
@@ -153,8 +158,20 @@ NB_MODULE(_markov_plan, m) {
       },
       nb::arg("batch"), nb::arg("steps"), nb::arg("vocab"), nb::arg("rank"), nb::arg("w2_dtype"), nb::arg("w1_dtype"),
       nb::arg("base_dtype"), nb::arg("logits_dtype").none(), nb::arg("sampling"), nb::arg("props"),
-      nb::arg("certified") = false,
+      nb::arg("certified") = false, nb::arg("w2_tiles") = false,
       "The launches of a call the kernel walks (ValueError naming the limit otherwise): kernel, threads, shared memory, tiles.");
+  m.def(
+      "w2_tile_layout",
+      []() {
+        nb::dict d;
+        d["rows"] = jax_markov::walk::kTransposedTileRows;
+        nb::list order;
+        for (int32_t i : jax_markov::walk::W2TileOrder()) order.append(i);
+        d["order"] = order;
+        return d;
+      },
+      "W2 stored tile by tile (QuantizedMarkovHead.tiles): rows a tile, and for each byte of a stored tile the "
+      "index of its byte in the tile's rows of W2 taken row-major.");
   m.def(
       "instantiated_kernels",
       []() {

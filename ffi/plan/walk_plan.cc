@@ -188,6 +188,7 @@ bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& pro
   p->smem_bytes = fixed + p->resident_tiles * kTransposedTileBytes;
   p->kernel = TransposedKernelKey(call.base_dtype, packed, walk);
   p->threads = p->kernel.threads;
+  p->w2_tiled = call.w2_tiled;
   return true;
 }
 
@@ -339,6 +340,14 @@ std::vector<LaunchPlan> PlanCall(const WalkCall& call, const DeviceProperties& p
     plans.push_back(p);
   }
   return plans;
+}
+
+std::vector<int32_t> W2TileOrder() {
+  std::vector<int32_t> order(kTransposedTileBytes, -1);
+  for (int n = 0; n < kTransposedTileRows; ++n) {
+    for (int k = 0; k < kRank; ++k) order[TransposedOffset(n, k)] = TileRow(n) * kRank + k;
+  }
+  return order;
 }
 
 std::vector<KernelKey> InstantiatedKernels() {

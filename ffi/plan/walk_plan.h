@@ -34,6 +34,7 @@ struct WalkCall {
   bool base_aligned = true;    // base logits 16-byte aligned (XLA's buffers are)
   bool logits_aligned = true;  // logits out 16-byte aligned
   bool certified = false;      // a CertifiedMarkovHead: greedy rows re-score their candidates exactly
+  bool w2_tiled = false;       // the int8 W2 also comes stored tile by tile (QuantizedMarkovHead.tiles, W2TileOrder)
 };
 
 enum KernelFamily : int { kWalkFamily = 0, kTransposedFamily = 1 };
@@ -57,6 +58,7 @@ struct LaunchPlan {
   bool noise_tiles = false;    // MarkovWalkKernel: each tile's noise made into a warp's buffer just before it is scored
   bool logits_staged = false;  // MarkovWalkKernel: logits out 8 rows of a request a store, through shared memory
   bool sampling = false;       // whether its rows may sample (false: every row greedy, whatever T holds)
+  bool w2_tiled = false;       // transposed kernel: W2 tiles land by one bulk copy each from W2 stored tile by tile
   int run_when = kAlways;      // RunWhen (walk_config.h)
 };
 
@@ -88,6 +90,12 @@ KernelKey TransposedKernelKey(int base, bool packed, int walk);
 std::vector<KernelKey> InstantiatedKernels();
 
 std::string KernelName(const KernelKey& key);
+
+// W2 stored tile by tile (QuantizedMarkovHead.tiles): int8 [ceil(V / kTransposedTileRows)][kTransposedTileBytes],
+// each tile's bytes as the transposed kernel holds a tile in shared memory, so that one bulk copy moves
+// it; rows past V are zero. Byte i of a stored tile is byte W2TileOrder()[i] of the tile's rows of W2
+// taken row-major ([kTransposedTileRows][kRank]).
+std::vector<int32_t> W2TileOrder();
 
 }  // namespace walk
 }  // namespace jax_markov

@@ -12,7 +12,7 @@ QUANTIZATIONS = (None, "int8", "int8-certified")
 
 
 class QuantizedWeight(nnx.Variable):
-    """A derived, non-trainable layout of a parameter (the int8 W2, its row scales and residual norms).
+    """A derived, non-trainable layout of a parameter (the int8 W2, its row scales, tiles and residual norms).
 
     Not an `nnx.Param`: optimizers built with `wrt=nnx.Param` leave it alone, and it is not part
     of the checkpoint (which stores the float W2 under its released name)."""
@@ -26,7 +26,7 @@ class MarkovHead(nnx.Module):
       markov_w2: [draft_vocab_size, markov_rank], projecting onto the draft vocabulary.
 
     markov_quantization: None (the walk reads the float W2), "int8" (the walk reads int8 W2 with
-    one float32 scale per row, docs/spec.md) or "int8-certified" (a `jax_markov.CertifiedMarkovHead`
+    one float32 scale per row, docs/spec.md, and its tiles, see `jax_markov.QuantizedMarkovHead`) or "int8-certified" (a `jax_markov.CertifiedMarkovHead`
     over markov_w2 itself: greedy rows choose what the float head chooses, sampled rows and the
     returned logits are the int8 head's; it adds the rows' residual norms, 4 bytes a row, to the int8
     layout). The int8 layout is computed once, when the option is set
@@ -56,6 +56,7 @@ class MarkovHead(nnx.Module):
         self.markov_w2 = nnx.Param(w2)
         self.markov_w2_int8 = nnx.data(None)
         self.markov_w2_scale = nnx.data(None)
+        self.markov_w2_tiles = nnx.data(None)
         self.markov_w2_residual_norm = nnx.data(None)
         self._quantization = None
         self.markov_quantization = markov_quantization
@@ -91,6 +92,7 @@ class MarkovHead(nnx.Module):
         layout (never a stale one): `head()` refuses until markov_w2 is fixed and this is called again."""
         self.markov_w2_int8 = None
         self.markov_w2_scale = None
+        self.markov_w2_tiles = None
         self.markov_w2_residual_norm = None
         float_head = _head.MarkovHead(self.markov_w1[...], self.markov_w2[...])
         if self._quantization == "int8":
@@ -103,6 +105,8 @@ class MarkovHead(nnx.Module):
             return
         self.markov_w2_int8 = QuantizedWeight(quantized.q)
         self.markov_w2_scale = QuantizedWeight(quantized.scale)
+        if quantized.tiles is not None:
+            self.markov_w2_tiles = QuantizedWeight(quantized.tiles)
 
     def after_load(self):
         """Called by the checkpoint loader once new weights are in."""
@@ -143,7 +147,8 @@ class MarkovHead(nnx.Module):
         if self.markov_w2_int8 is None:
             raise ValueError(f"markov_quantization is {self._quantization!r} but the head has no int8 layout: quantizing "
                              "markov_w2 failed (see the error it raised); fix markov_w2 and call refresh_quantization()")
-        quantized = _head.QuantizedMarkovHead(self.markov_w1[...], self.markov_w2_int8[...], self.markov_w2_scale[...])
+        tiles = None if self.markov_w2_tiles is None else self.markov_w2_tiles[...]
+        quantized = _head.QuantizedMarkovHead(self.markov_w1[...], self.markov_w2_int8[...], self.markov_w2_scale[...], tiles)
         if self._quantization == "int8":
             return quantized
         return _head.CertifiedMarkovHead(quantized, self.markov_w2[...], self.markov_w2_residual_norm[...])

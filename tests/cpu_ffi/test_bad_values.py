@@ -134,13 +134,13 @@ def test_ids_wider_than_int32_are_clamped_before_the_call(rng, make_head, make_b
 # errors from the handler itself (shapes the Python API would have refused)
 
 
-def _raw_call(base, anchor, w1, w2, scale, temperature, key, position, d2t, *, vocab_size, logits_shape=(0,)):
+def _raw_call(base, anchor, w1, w2, scale, temperature, key, position, d2t, tiles=None, *, vocab_size, logits_shape=(0,)):
     batch, steps, _ = base.shape
     outs = (jax.ShapeDtypeStruct((batch, steps), jnp.int32), jax.ShapeDtypeStruct(logits_shape, jnp.float32),
             jax.ShapeDtypeStruct((0,), w1.dtype))
     call = jax.ffi.ffi_call(native.TARGET, outs)
     return jax.jit(lambda *a: call(*a, vocab_size=np.int64(vocab_size), logit_scale=np.float32(1.0), sampling=False))(
-        base, anchor, w1, w2, scale, temperature, key, position, d2t)
+        base, anchor, w1, w2, scale, temperature, key, position, d2t, jnp.zeros((0,), jnp.int8) if tiles is None else tiles)
 
 
 def test_handler_errors(rng, walk, check_parity):
@@ -163,6 +163,8 @@ def test_handler_errors(rng, walk, check_parity):
         (dict(w2=q[:, :-1]), "w2 must be"),
         (dict(anchor=jnp.zeros((batch + 1,), jnp.int32)), "anchor"),
         (dict(d2t=jnp.zeros((3,), jnp.int32)), "d2t"),
+        (dict(tiles=jnp.zeros((8, 64 * rank), jnp.int8)), r"w2_tiles must be s8 \[ceil\(V / 64\), 16384\]"),
+        (dict(tiles=jnp.zeros((0,), jnp.uint8)), "w2_tiles"),
         (dict(vocab_size=vocab + 1), "vocab_size"),
         (dict(vocab_size=0), "vocab_size"),
         (dict(logits_shape=(batch, steps, vocab + 1)), "logits"),

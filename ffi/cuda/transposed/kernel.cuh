@@ -14,8 +14,11 @@
 //   CTA's tiles round-robin and issue their wgmmas in turn, so that the tensor cores can finish one
 //   warpgroup's tile before the next one's while its epilogue overlaps the others' wgmmas. Each
 //   digit's int32 sums are exact (|sum| < 2^22), and so is high x 256 + low (< 2^31), which one
-//   conversion rounds to a float. The first tiles stay resident in shared memory (loaded once by
-//   cp.async); the rest stream from L2 into one slot per warpgroup, a streamed tile ahead.
+//   conversion rounds to a float. The first tiles stay resident in shared memory (loaded once); the
+//   rest stream from L2 into one slot per warpgroup, a streamed tile ahead. Where the head carries W2
+//   stored tile by tile (w2_tiles, in the slot's byte order), a tile lands by one bulk copy that one
+//   thread issues and the warpgroup waits for on an mbarrier, and step 0 scores each resident tile as
+//   it lands; otherwise the warpgroup copies it 16 bytes a cp.async.
 // - A W2 tile holds its rows in the order that gives each thread 16 consecutive rows (TileRow): the
 //   thread of column pair t holds rows 16 t .. 16 t + 15 of the tile, so its base logits are one
 //   32-byte run a request (two 16-byte loads in bf16, whole sectors), it meets its rows in increasing
@@ -84,6 +87,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   float* unscale = reinterpret_cast<float*>(cta_best + kMaxBatch);
   int* last_out = reinterpret_cast<int*>(unscale + kMaxBatch);
   uint64_t* turn = reinterpret_cast<uint64_t*>(last_out + 4);  // warpgroup wg's turn: turn[wg]
+  uint64_t* landed = turn + 4;  // warpgroup wg's slot holds its bulk copy: landed[wg]
+  uint64_t* resident_landed = landed + 4;  // resident tile i has landed by its bulk copy
   const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
   float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
   int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
@@ -105,16 +110,31 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   const int n_streamed = first_streamed < my_tiles ? (my_tiles - 1 - first_streamed) / kWarpgroups + 1 : 0;
   const int8_t* w2 = static_cast<const int8_t*>(a.w2);
   int8_t* slot = ring + wg * kTransposedTileBytes;
+  const bool bulk_copies = a.w2_tiles != nullptr;
+  // With bulk copies the resident tiles land by one each too, and step 0 scores each as it lands.
+  const bool bulk_resident = bulk_copies && n_resident <= Layout::kResidentBarriers;
+  // Streamed tile c into the slot; a cp.async group either way, so that step 0's wait for the resident
+  // tiles counts the same groups.
   const auto CopyStreamed = [&](int c) {
-    if (c < n_streamed * steps) CopyTransposedTile(w2, vocab, RowOf(first_streamed + (c % n_streamed) * kWarpgroups), slot, u);
+    if (c < n_streamed * steps) {
+      const int tile = first_tile + first_streamed + (c % n_streamed) * kWarpgroups;
+      if (!bulk_copies) {
+        CopyTransposedTile(w2, vocab, tile * kTransposedTileRows, slot, u);
+      } else if (u == 0) {
+        MbarrierArriveExpectTx(&landed[wg], kTransposedTileBytes);
+        BulkCopyTile(a.w2_tiles, tile, slot, &landed[wg]);
+      }
+    }
     CpAsyncCommit();
   };
 
   Stamp(a, 0, 0);
   if (tid < kWarpgroups) {  // a turn is given by lane 0 of each of the predecessor's warps
     MbarrierInit(&turn[tid], 4);
-    FenceMbarrierInit();
+    MbarrierInit(&landed[tid], 1);
   }
+  if (tid < Layout::kResidentBarriers) MbarrierInit(&resident_landed[tid], 1);
+  if (tid < Layout::kResidentBarriers || tid < kWarpgroups) FenceMbarrierInit();
   __syncthreads();  // the turns made before any other shared-memory write (racecheck pairs them otherwise)
   // Requests past the batch keep zero digits (their sums are zero and never published).
   for (int i = tid; i < Layout::kDigitsBytes / 16; i += kThreads) reinterpret_cast<uint4*>(digits)[i] = make_uint4(0, 0, 0, 0);
@@ -124,7 +144,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   // streamed tile.
   if (my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, 0);
   for (int i = wg; i < n_resident; i += kWarpgroups) {
-    CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
+    if (!bulk_resident) {
+      CopyTransposedTile(w2, vocab, RowOf(i), resident + size_t(i) * kTransposedTileBytes, u);
+    } else if (u == 0) {
+      MbarrierArriveExpectTx(&resident_landed[i], kTransposedTileBytes);
+      BulkCopyTile(a.w2_tiles, first_tile + i, resident + size_t(i) * kTransposedTileBytes, &resident_landed[i]);
+    }
   }
   CpAsyncCommit();
   CopyStreamed(0);
@@ -232,7 +257,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
       }
       const bool streamed = i >= n_resident;
       const int8_t* tile = streamed ? slot : resident + size_t(i) * kTransposedTileBytes;
-      if (streamed) {
+      if (streamed && bulk_copies) {
+        MbarrierWait(&landed[wg], consumed & 1);
+      } else if (!streamed && k == 0 && bulk_resident) {
+        MbarrierWait(&resident_landed[i], 0);
+      } else if (streamed) {
         CpAsyncWaitPending(0);
         FenceSharedForAsyncProxy();
         asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");

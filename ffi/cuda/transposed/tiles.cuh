@@ -18,10 +18,6 @@
 namespace jax_markov {
 namespace walk {
 
-// The tile row (0-63) at wgmma column n: the accumulator columns 8 j + 2 t + h (j < 8, h < 2) of the
-// threads of column pair t hold rows 16 t + 2 j + h.
-__host__ __device__ constexpr int TileRow(int n) { return 16 * ((n % 8) / 2) + 2 * (n / 8) + n % 2; }
-
 // Warpgroup-local copy of tile `row0`'s 64 W2 rows into `dst` (TransposedOffset layout, column n
 // holding row TileRow(n)), 16 bytes a cp.async, 8 a thread (u = thread in the warpgroup). Within a
 // warp, lanes L % 8 take 8 columns of one 16-byte k-column (one 128-byte core matrix in shared
@@ -36,6 +32,15 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
     const bool inside = row < vocab;
     CpAsync16(dst + TransposedOffset(n, 16 * column), w2 + size_t(inside ? row : 0) * kRank + 16 * column, inside);
   }
+}
+
+// Tile `tile` of the tiled W2 (TileW2Kernel's layout, which is the slot's) into `dst` by one bulk copy of
+// kTransposedTileBytes contiguous bytes, completing on `bar`; one thread issues it, after
+// MbarrierArriveExpectTx(bar, kTransposedTileBytes).
+__device__ __forceinline__ void BulkCopyTile(const int8_t* w2_tiles, int tile, int8_t* dst, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(SharedAddress(dst)),
+               "l"(w2_tiles + size_t(tile) * kTransposedTileBytes), "r"(kTransposedTileBytes), "r"(SharedAddress(bar))
+               : "memory");
 }
 
 // Request b's e (lane L: e[8L .. 8L+7]) as two int8 digits in the A operands (`digits`, laid out as

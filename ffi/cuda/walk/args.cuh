@@ -38,6 +38,7 @@ struct WalkArgs {
   int sampling;  // 0: every row greedy, whatever `temperature` holds (the caller gave none)
   int noise_ahead, noise_tiles, logits_staged;
   int run_when;  // RunWhen: the batch classes in which the launch walks (it returns at once in others)
+  const int8_t* w2_tiles;  // the transposed kernel: W2 stored tile by tile (W2TileOrder), or null
   // A CertifiedMarkovHead's certificate (the CERT instances; null otherwise): the unquantized W2 [V, 256]
   // of dtype w2_exact_dtype and its rows' residual norms [V]; cert_stats: the counters of
   // certified_stats() (kCertStats words), or null where they are not kept.
