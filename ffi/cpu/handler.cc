@@ -17,8 +17,8 @@
 // registers), only for columns that could still win. Walks with little work per step stay on the
 // calling thread.
 //
-// A CertifiedMarkovHead (int8 W2 plus the unquantized W2 and its rows' residual norms, operands 9
-// and 10, given only for such a head) walks as an int8 head, except that a greedy request's chunk keeps, instead of its best int8
+// A CertifiedMarkovHead (int8 W2 plus the unquantized W2 and its rows' residual norms, operands 10
+// and 11, given only for such a head) walks as an int8 head, except that a greedy request's chunk keeps, instead of its best int8
 // key, the best exact key among the columns that its int8 logits and their error bound cannot rule
 // out, re-scored from the unquantized rows (certified.h): the merge of step 3 is unchanged, and the
 // token is the unquantized walk's.

@@ -26,11 +26,11 @@ class MarkovHead(nnx.Module):
       markov_w2: [draft_vocab_size, markov_rank], projecting onto the draft vocabulary.
 
     markov_quantization: None (the walk reads the float W2), "int8" (the walk reads int8 W2 with
-    one float32 scale per row, docs/spec.md, and its tiles, see `jax_markov.QuantizedMarkovHead`) or "int8-certified" (a `jax_markov.CertifiedMarkovHead`
-    over markov_w2 itself: greedy rows choose what the float head chooses, sampled rows and the
-    returned logits are the int8 head's; it adds the rows' residual norms, 4 bytes a row, to the int8
-    layout). The int8 layout is computed once, when the option is set
-    or when weights are loaded (`load_weights`, `jax_markov.flax.load_state_dict`), and stored as
+    one float32 scale per row, docs/spec.md, and its tiles, see `jax_markov.QuantizedMarkovHead`) or
+    "int8-certified" (a `jax_markov.CertifiedMarkovHead` over markov_w2 itself: greedy rows choose
+    what the float head chooses, sampled rows and the returned logits are the int8 head's; it adds the
+    rows' residual norms, 4 bytes a row, to the int8 layout). The int8 layout is computed once, when
+    the option is set or when weights are loaded (`load_weights`, `jax_markov.flax.load_state_dict`), and stored as
     `QuantizedWeight` variables; it is never recomputed per call. If you change `markov_w2` any
     other way (an optimizer step, `nnx.update`), call `refresh_quantization()` afterwards.
     """
