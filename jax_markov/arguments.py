@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import native
-from .head import FLOAT_DTYPES, CertifiedMarkovHead, MarkovHead, QuantizedMarkovHead
+from .head import FLOAT_DTYPES, CertifiedMarkovHead, MarkovHead, QuantizedMarkovHead, tile_shape
 
 IMPLS = ("auto", "reference", "ffi")
 
@@ -58,15 +58,19 @@ def no_tiles() -> jax.Array:
 
 
 def _tiles(head: QuantizedMarkovHead, q) -> jax.Array:
-    """head.tiles, checked against q's shape, or the placeholder (no tiles, or no plan module to say
-    their layout: then nothing could read them)."""
+    """head.tiles, checked against q's shape (`tile_shape`), or the placeholder (no tiles, or no plan
+    module to say their layout: then nothing could read them)."""
     if head.tiles is None or not native.plan_available():
         return no_tiles()
-    rows, order = native.w2_tile_layout()
-    shape = (-(-q.shape[0] // rows), order.size)
-    if head.tiles.dtype != jnp.int8 or head.tiles.shape != shape or q.shape[1] * rows != order.size:
+    shape = tile_shape(*q.shape)
+    got = f"{head.tiles.dtype}{list(head.tiles.shape)}"
+    if shape is None:
+        rows, order = native.w2_tile_layout()
+        raise ValueError(f"head.tiles must be None for q of shape {list(q.shape)}: the CUDA kernel reads tiles only "
+                         f"with r * {rows} = {order.size}, got {got}")
+    if head.tiles.dtype != jnp.int8 or head.tiles.shape != shape:
         raise ValueError(f"head.tiles must be int8 {list(shape)} (q stored tile by tile, see quantize) for q of shape "
-                         f"{list(q.shape)} with r * {rows} = {order.size}, got {head.tiles.dtype}{list(head.tiles.shape)}")
+                         f"{list(q.shape)}, got {got}")
     return head.tiles
 
 

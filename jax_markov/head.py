@@ -230,20 +230,25 @@ def _with_tiles(head: QuantizedMarkovHead, tiles: bool) -> QuantizedMarkovHead:
     return head if made is None else dataclasses.replace(head, tiles=made)
 
 
-def tile_w2(q) -> jax.Array | None:
-    """int8 q [V, r] stored tile by tile (QuantizedMarkovHead.tiles): int8 [ceil(V / rows), rows x r], a
-    tile's rows zero past V and its bytes in the order that the CUDA kernel holds a tile in shared
-    memory (native.w2_tile_layout, from ffi/plan). None where the plan module is not built or r is not
-    the kernel's rank (no kernel would read it)."""
+def tile_shape(vocab: int, rank: int) -> tuple[int, int] | None:
+    """The shape of QuantizedMarkovHead.tiles for q [vocab, rank]: [ceil(V / rows), rows x r]; None where
+    the plan module is not built or r is not the CUDA kernel's rank (no kernel would read tiles)."""
     if not native.plan_available():
         return None
     rows, order = native.w2_tile_layout()
-    vocab, rank = q.shape
-    if rows * rank != order.size:
+    return (-(-vocab // rows), order.size) if rows * rank == order.size else None
+
+
+def tile_w2(q) -> jax.Array | None:
+    """int8 q [V, r] stored tile by tile (QuantizedMarkovHead.tiles, `tile_shape`): a tile's rows zero
+    past V and its bytes in the order that the CUDA kernel holds a tile in shared memory
+    (native.w2_tile_layout, from ffi/plan); None where `tile_shape` is."""
+    shape = tile_shape(*q.shape)
+    if shape is None:
         return None
-    count = -(-vocab // rows)
-    padded = jnp.pad(q, ((0, count * rows - vocab), (0, 0)))
-    return jnp.take(padded.reshape(count, rows * rank), order, axis=1)
+    rows, order = native.w2_tile_layout()
+    padded = jnp.pad(q, ((0, shape[0] * rows - q.shape[0]), (0, 0)))
+    return jnp.take(padded.reshape(shape), order, axis=1)
 
 
 def residual_norm(w2, q, scale, amax):

@@ -34,7 +34,7 @@ __device__ __forceinline__ void CopyTransposedTile(const int8_t* w2, int vocab, 
   }
 }
 
-// Tile `tile` of the tiled W2 (TileW2Kernel's layout, which is the slot's) into `dst` by one bulk copy of
+// Tile `tile` of W2 stored tile by tile (W2TileOrder's layout, which is the slot's) into `dst` by one bulk copy of
 // kTransposedTileBytes contiguous bytes, completing on `bar`; one thread issues it, after
 // MbarrierArriveExpectTx(bar, kTransposedTileBytes).
 __device__ __forceinline__ void BulkCopyTile(const int8_t* w2_tiles, int tile, int8_t* dst, uint64_t* bar) {
