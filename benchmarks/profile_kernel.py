@@ -8,7 +8,8 @@ or (--device-times) times its launches itself from the device activity that jax.
     python3 benchmarks/profile_kernel.py --tokens 151936,7,64,greedy 5003,3,17,greedy
     python3 benchmarks/profile_kernel.py --device-times 151936,7,1,greedy 151936,7,1,greedy,certified
 
-The head of a config is int8 (the default), certified (a CertifiedMarkovHead of the same weights: its
+The head of a config is int8 (the default: quantize's head, with its tiles), untiled (the int8 head
+without tiles: quantize(head, tiles=False)), certified (a CertifiedMarkovHead of the same weights: its
 certified walk: up to 8 requests, or 9-16 greedy ones) or bf16.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
@@ -33,6 +34,8 @@ import numpy as np
 import jax_markov as jm
 
 MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32", "greedy-t0")
+HEADS = ("int8", "untiled", "certified", "bf16")
+INT8_HEADS = ("int8", "untiled", "certified")
 
 
 def walk_options(mode: str, batch: int) -> dict:
@@ -50,14 +53,15 @@ def walk_options(mode: str, batch: int) -> dict:
 
 
 def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"):
-    """The jitted walk of one configuration and its inputs; head_format "int8" (quantized), "certified"
-    (quantize(head, certified=True): the certified walk of up to 8 requests or 9-16 greedy ones) or "bf16"."""
+    """The jitted walk of one configuration and its inputs; head_format "int8" (quantized, with tiles),
+    "untiled" (quantized without tiles), "certified" (quantize(head, certified=True): the certified walk
+    of up to 8 requests or 9-16 greedy ones) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
-    if head_format in ("int8", "certified"):
-        head = jm.quantize(head, certified=head_format == "certified")
+    if head_format in INT8_HEADS:
+        head = jm.quantize(head, certified=head_format == "certified", tiles=head_format == "int8")
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = walk_options(mode, batch)
@@ -130,10 +134,10 @@ def launch_plan(spec: str) -> list[dict]:
 
     vocab, steps, batch, mode, head_format = parse(spec)
     kw = walk_options(mode, batch)
-    w2_dtype = jnp.int8 if head_format in ("int8", "certified") else jnp.bfloat16
+    w2_dtype = jnp.int8 if head_format in INT8_HEADS else jnp.bfloat16
     return native.cuda_launch_plan(batch, steps, vocab, 256, jnp.bfloat16, w2_dtype, base_dtype=jnp.bfloat16,
                                    logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw,
-                                   certified=head_format == "certified")
+                                   certified=head_format == "certified", w2_tiles=head_format == "int8")
 
 
 def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
@@ -159,7 +163,10 @@ def parse(spec: str) -> tuple:
     parts = spec.split(",")
     if parts[3] not in MODES:
         raise ValueError(f"mode {parts[3]!r} of {spec!r} is not one of {MODES}")
-    return int(parts[0]), int(parts[1]), int(parts[2]), parts[3], parts[4] if len(parts) > 4 else "int8"
+    head = parts[4] if len(parts) > 4 else "int8"
+    if head not in HEADS:
+        raise ValueError(f"head {head!r} of {spec!r} is not one of {HEADS}")
+    return int(parts[0]), int(parts[1]), int(parts[2]), parts[3], head
 
 
 if __name__ == "__main__":

@@ -140,20 +140,22 @@ for part in "${parts[@]}"; do
       # the transposed kernel: packed (20: a warp of requests past the batch; 24) and not (40).
       # 5000,3,2 takes the epilogue of bf16 base logits and logits out with the noise ahead (the digit
       # kernel's instance for it, its base logits staged; 5003,3,2 not staged). 5000,3,4 and 5003,3,3
-      # (this W1 is bf16) walk on e's digit pairs, logits out. 5000,3,12 greedy holds e's digit pairs as
-      # the A operand (EREGS), its base logits staged, and 5000,3,12 greedy-logits its bf16-logits form;
-      # 151936,2,16 greedy does not stage them and streams tiles, and 151936,2,12 greedy-logits streams
-      # them in the bf16-logits form. 5003,3,2 greedy certified re-scores candidates from the unquantized
+      # (this W1 is bf16) walk on e's digit pairs, logits out. 5000,3,12 greedy of the head without tiles
+      # (untiled) holds e's digit pairs as the A operand (EREGS), its base logits staged, and 5000,3,12
+      # greedy-logits its bf16-logits form; 151936,2,16 greedy untiled does not stage them and streams
+      # tiles, and 151936,2,12 greedy-logits streams them in the bf16-logits form. With the head's tiles
+      # 5000,3,12 and 151936,2,16 greedy take the transposed kernel (a last tile partly past V; streamed
+      # tiles). 5003,3,2 greedy certified re-scores candidates from the unquantized
       # W2 (the certified digit kernel, its e in shared memory; 5003,3,2 probabilistic certified walks
       # the plain kernel, the certified launches returning at once), 5003,3,6,greedy-logits,certified in the
       # digit pairs', 5000,3,12 greedy certified in EREGS's; 151936,2,1 and 151936,2,16 greedy certified
       # stream tiles.
-      small="5003,3,2,greedy,certified 5003,3,2,probabilistic,certified 5003,3,6,greedy-logits,certified 5000,3,12,greedy,certified 5000,3,12,greedy 5000,3,12,greedy-logits 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
+      small="5003,3,2,greedy,certified 5003,3,2,probabilistic,certified 5003,3,6,greedy-logits,certified 5000,3,12,greedy,certified 5000,3,12,greedy,untiled 5000,3,12,greedy 5000,3,12,greedy-logits 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
       # At V = 151936 most warps keep a streamed W2 tile in registers from step to step (odd steps
       # take them in reverse): 151936,2,1 greedy in the digit kernel's instance for tokens only,
       # 151936,3,2 probabilistic in its instance for logits out, 151936,2,4 greedy on the digit pairs,
       # 151936,2,1,greedy,bf16 in the bf16 head's kernel.
-      streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy 151936,2,12,greedy-logits 151936,2,1,greedy,bf16 151936,2,1,greedy,certified 151936,2,16,greedy,certified"
+      streamed="151936,2,1,greedy 151936,3,2,probabilistic 151936,2,4,greedy 151936,2,16,greedy,untiled 151936,2,16,greedy 151936,2,12,greedy-logits 151936,2,1,greedy,bf16 151936,2,1,greedy,certified 151936,2,16,greedy,certified"
       # The certified walk's exact round (the grid's int8 keys do not single out a choice): rare on
       # profile_kernel.py's heads, taken by every decision of the GPU tests of ties and of a
       # disagreement at the last step (the digit kernel, the digit pairs, EREGS).

@@ -130,13 +130,14 @@ def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2
 
 
 def cuda_transposed_launches(batch: int, vocab: int, w1_dtype, *, logits_out: bool = False,
-                             props: dict | None = None) -> list[bool]:
-    """For each launch of a CUDA walk over int8 W2: whether it runs the transposed kernel
-    (ffi/cuda/transposed/) rather than MarkovWalkKernel, base logits being 16-byte aligned as XLA
-    allocates them. Needs no GPU."""
+                             w2_tiles: bool = False, props: dict | None = None) -> list[bool]:
+    """For each launch of a greedy CUDA walk over int8 W2 from bf16 base logits: whether it runs the
+    transposed kernel (ffi/cuda/transposed/) rather than MarkovWalkKernel, base logits being 16-byte
+    aligned as XLA allocates them; w2_tiles: the head carries its tiles (QuantizedMarkovHead.tiles).
+    Needs no GPU."""
     bf16 = jax.numpy.bfloat16
     plans = cuda_launch_plan(batch, 1, vocab, cuda_envelope()["rank"], w1_dtype, np.int8, base_dtype=bf16,
-                             logits_dtype=bf16 if logits_out else None, props=props)
+                             logits_dtype=bf16 if logits_out else None, props=props, w2_tiles=w2_tiles)
     return [p["family"] == "transposed" for p in plans]
 
 

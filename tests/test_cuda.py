@@ -298,6 +298,47 @@ def test_parity_transposed_greedy(reference_scores, assert_tokens_match, batch, 
     np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
 
 
+# A head with tiles walks 9-16 greedy requests with no logits out from bf16 base logits on the transposed
+# kernel (its packed layout, the A operand's rows past the batch unused), the head without them on EREGS:
+# 9 at V = 5000 (a last tile of 8 rows, every tile resident), 12 with padding, d2t and logit_scale, 16 at
+# V = 151936 (streamed tiles), 13 at 151952 from an fp32 W1 (a last streamed tile partly past V), 16 of a
+# sampled call whose temperatures are all 0 (its guarded greedy launch). Tokens against the reference and
+# the untiled head's (near-ties aside), embeds equal.
+@pytest.mark.parametrize("batch,vocab,w1_dtype,extras,zero_temperatures", [
+    (9, 5000, jnp.bfloat16, False, False), (12, 40008, jnp.float16, True, False), (16, 151936, jnp.bfloat16, False, False),
+    (13, 151952, jnp.float32, False, False), (16, 60008, jnp.bfloat16, True, True)])
+def test_parity_transposed_9_to_16_greedy(reference_scores, assert_tokens_match, batch, vocab, w1_dtype, extras,
+                                          zero_temperatures):
+    rng = np.random.default_rng(batch * 3 + vocab)
+    v_target = vocab + 5000 if extras else vocab
+    base, anchor, head, kw = make_case(rng, batch, 7, vocab, v_target=v_target, w1_dtype=w1_dtype,
+                                       sampled=zero_temperatures)
+    if zero_temperatures:
+        kw["temperature"] = jnp.zeros((batch,), jnp.float32)
+    bare = jm.quantize(head, tiles=False)
+    for h, family in ((head, "transposed"), (bare, "walk")):
+        plans = native.cuda_launch_plan(batch, 7, vocab, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
+                                        sampling=zero_temperatures, w2_tiles=h.tiles is not None)
+        (greedy,) = _walking_greedy(plans)
+        assert greedy["family"] == family and (family == "transposed" or "eregs" in greedy["name"]), greedy
+    if extras:
+        d2t = np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab)
+        kw.update(d2t=jnp.asarray(d2t, jnp.int32), vocab_size=vocab - 37, logit_scale=0.7)
+    ref = jm.walk(base, anchor, head, impl="reference", return_logits=True, return_embeds=True, **kw)
+    scores = reference_scores(ref.logits)
+    for h in (head, bare):
+        poison_device_memory(batch * 7 * (4 + 256 * 4) * 2)
+        got = jm.walk(base, anchor, h, impl="ffi", return_embeds=True, **kw)
+        _, same_prefix = assert_tokens_match(scores, ref.tokens, got.tokens, NEAR_TIE, rtol=NEAR_TIE, d2t=kw.get("d2t"),
+                                             max_mismatch_rows=max(1, int(MAX_NEAR_TIE_ROWS * batch)))
+        np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
+
+
+def _walking_greedy(plans):
+    """The launches that walk a batch whose rows are all greedy (walk_config.h's RunWhen)."""
+    return [p for p in plans if p["run_when"] in ("always", "no_row_samples", "some_row_greedy")]
+
+
 # The transposed kernel's W2 tiles land by one bulk copy each from the head's tiles (quantize's
 # default, which every parity test above walks), or by cp.async from q for a head without them: the
 # same arithmetic, so the same bits (tokens, logits, embeds) either way, and the reference's tokens.

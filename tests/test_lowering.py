@@ -105,7 +105,8 @@ def test_columns_per_request():
 def test_which_launches_take_the_transposed_kernel():
     """Launches of 17-64 requests over int8 W2 with V % 8 == 0 take the transposed kernel, greedy or
     sampled, with logits out only for a bf16 W1 (the precision of its logits); fp32 W1 walks 32
-    requests a launch; everything else takes MarkovWalkKernel.
+    requests a launch; a head with tiles walks 9-16 greedy requests with no logits out there too;
+    everything else takes MarkovWalkKernel.
     (The GPU tests assert this of their cases, so that a case meant for one kernel cannot drift to
     the other unseen.)"""
     bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -126,6 +127,14 @@ def test_which_launches_take_the_transposed_kernel():
     assert native.cuda_transposed_launches(24, 151936, f16) == [True]
     assert native.cuda_transposed_launches(24, 151936, f16, logits_out=True) == [False]
     assert native.cuda_transposed_launches(64, 151936, f32, logits_out=True) == [False, False]
+    for batch in (9, 12, 16):  # EREGS's launches, but for a head with tiles
+        assert native.cuda_transposed_launches(batch, 151936, bf16, w2_tiles=True) == [True]
+        assert native.cuda_transposed_launches(batch, 151936, f32, w2_tiles=True) == [True]
+        assert native.cuda_transposed_launches(batch, 151936, bf16, logits_out=True, w2_tiles=True) == [False]
+        assert native.cuda_transposed_launches(batch, 20010, bf16, w2_tiles=True) == [False]  # V % 8 != 0
+    assert native.cuda_transposed_launches(8, 151936, bf16, w2_tiles=True) == [False]  # the digit pairs
+    assert native.cuda_transposed_launches(65, 151936, bf16, w2_tiles=True) == [True, False]  # 64 + 1
+    assert native.cuda_transposed_launches(73, 151936, bf16, w2_tiles=True) == [True, True]  # 64 + 9
     # A GPU whose shared memory cannot hold the transposed kernel's fixed part but MarkovWalkKernel's
     # (4 SMs: 594 tiles of 64 rows a CTA; an L2 large enough that the int8 W2 it streams stays there).
     four_sms = dict(native.ASSUMED_GPU, sm_count=4, l2_bytes=2**30)

@@ -87,12 +87,47 @@ def test_every_plan_is_an_instantiated_kernel_that_fits():
             if p["family"] == "transposed":
                 assert w2 == "int8" and 16 < p["batch"] <= 64 and vocab % 8 == 0, (case, p)
             assert not p["w2_tiled"], "no tiles were given"
-        if w2 == "int8":  # with the head's tiles: the same launches, the transposed ones reading the tiles
-            tiled = _plans(*case, w2_tiles=True)
-            assert [dict(p, w2_tiled=False) for p in tiled] == plans, case
-            assert [p["w2_tiled"] for p in tiled] == [p["family"] == "transposed" for p in plans], case
+        if w2 == "int8":
+            _check_tiled_plans(case, plans, instantiated)
         checked += 1
     assert checked > 1500
+
+
+def _check_tiled_plans(case, plans, instantiated):
+    """With the head's tiles, the same launches, the transposed ones reading the tiles, but for greedy
+    launches of 9-16 requests with no logits out from bf16 base logits (EREGS's, V % 8 == 0), which
+    take the transposed kernel wherever it walks 17 such requests of the call."""
+    batch, steps, vocab, w2, w1, base, logits, sampling, props = case
+    tiled = _plans(*case, w2_tiles=True)
+    assert [p["run_when"] for p in tiled] == [p["run_when"] for p in plans], case
+    transposed_fits = _plans(17, steps, vocab, w2, w1, base, None, False, props, w2_tiles=True)[0]["family"] == "transposed"
+    for t, p in zip(tiled, plans):
+        assert t["w2_tiled"] == (t["family"] == "transposed"), (case, t)
+        moves = (8 < p["batch"] <= 16 and not p["sampling"] and logits is None and base == "bfloat16" and vocab % 8 == 0
+                 and transposed_fits)
+        if moves:
+            assert t["family"] == "transposed" and "packed,plain" in t["name"] and t["name"] in instantiated, (case, t)
+            assert (t["first"], t["batch"], t["sampling"]) == (p["first"], p["batch"], p["sampling"]), case
+            assert 0 <= t["resident_tiles"] <= t["tiles_per_cta"] and 0 < t["smem_bytes"] <= props["smem_per_block"]
+        else:
+            assert dict(t, w2_tiled=False) == p, (case, t, p)
+
+
+@pytest.mark.parametrize("batch, sampling, logits, base, kernel", [
+    (8, False, None, "bfloat16", "walk<nt=2,split,pairs,w2=int8,threads=512,form=any>"),
+    (9, False, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),
+    (16, False, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),
+    (16, True, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),  # a sampled call's greedy launch
+    (12, False, "bfloat16", "bfloat16", "walk<nt=2,eregs,w2=int8,threads=256,form=bf16_logits>"),
+    (16, False, None, "float32", "walk<nt=2,w2=int8,threads=512,form=any>"),
+])
+def test_a_head_with_tiles_walks_9_to_16_greedy_requests_transposed(batch, sampling, logits, base, kernel):
+    """A head with tiles: 9-16 greedy requests with no logits out from bf16 base logits take the
+    transposed kernel (docs/kernel_design.md section 8), reading the tiles; their other walks are the
+    untiled head's."""
+    (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", base, logits, sampling, H100, w2_tiles=True),
+                       "all_greedy")
+    assert plan["name"] == kernel and plan["w2_tiled"] == kernel.startswith("transposed")
 
 
 def test_w2_tile_order_is_the_transposed_tile_layout():

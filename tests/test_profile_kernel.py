@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks import profile_kernel
+from jax_markov import native
 
 
 def test_configs_parse_with_the_int8_head_by_default():
@@ -12,9 +13,23 @@ def test_configs_parse_with_the_int8_head_by_default():
     assert profile_kernel.parse("5003,3,3,probabilistic,bf16") == (5003, 3, 3, "probabilistic", "bf16")
 
 
-def test_an_unknown_mode_is_refused_not_run_as_greedy():
+def test_an_unknown_mode_or_head_is_refused_not_run_as_greedy():
     with pytest.raises(ValueError, match="mode 'sampled' of '5003,3,3,sampled' is not one of"):
         profile_kernel.parse("5003,3,3,sampled")
+    with pytest.raises(ValueError, match="head 'int4' of '5003,3,3,greedy,int4' is not one of"):
+        profile_kernel.parse("5003,3,3,greedy,int4")
+    assert profile_kernel.parse("5000,3,12,greedy,untiled")[4] == "untiled"
+
+
+@pytest.mark.skipif(not native.plan_available(), reason="the jax_markov plan module is not built")
+def test_the_launch_plan_is_the_heads():
+    """The int8 head has its tiles, so 12 greedy requests walk on the transposed kernel; without them
+    on EREGS; the certified head on its certified EREGS walk."""
+    names = {head: [p["name"] for p in profile_kernel.launch_plan(f"151936,3,12,greedy,{head}")]
+             for head in ("int8", "untiled", "certified")}
+    assert names["int8"] == ["transposed<base=bfloat16,packed,plain>"]
+    assert names["untiled"] == ["walk<nt=2,eregs,w2=int8,threads=256,form=plain>"]
+    assert names["certified"] == ["walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"]
 
 
 def test_the_f32_modes_write_float32_logits_and_the_others_bf16():
