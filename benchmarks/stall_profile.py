@@ -1,7 +1,9 @@
 """Where a walk kernel's warps stall, from ncu's warp-state sampling, in a few lines per config.
 
 For each config "V,K,B,mode[,head]" this runs `benchmarks/profile_kernel.py` under
-`ncu --set full --import-source yes` on the third launch (the first two warm up), then prints:
+`ncu --set full --import-source yes` on the first launch of its third call that walks (the first two
+calls warm up; a sampled call's guarded pair launches its greedy kernel first, which returns at once
+where a row samples), then prints:
 the launch's headline metrics (duration, issue slots busy, warps per scheduler), the samples of
 the instructions with each execution count (a loop body or a branch's side, largest first), and
 the hottest instructions. The raw SASS-level CSV and ncu's details page (every section of the set:
@@ -21,8 +23,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk(Transposed)?Kernel", "--launch-skip", "2", "--launch-count",
-       "1"]
+if not __package__:  # run as `python3 benchmarks/stall_profile.py`: `benchmarks` imports from the repository
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # root, last, so an installed jax_markov comes first
+
+from benchmarks import profile_kernel  # noqa: E402
+
+NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk(Transposed)?Kernel", "--launch-count", "1"]
+WARM_CALLS = 2  # profile_kernel.py walks 3 chained calls; the third is profiled
+# The launches (their run_when, ffi/common/walk_config.h's RunWhen) that walk a batch whose rows are all
+# greedy (greedy, greedy-logits, greedy-t0) or all sampled (probabilistic).
+WALKS_WHEN = {False: {"always", "no_row_samples", "some_row_greedy"},
+              True: {"always", "some_row_samples", "all_rows_sample"}}
 HEADLINE = ("Duration", "Issue Slots Busy", "Issued Ipc Active", "No Eligible", "Active Warps Per Scheduler",
             "Warp Cycles Per Issued Instruction", "Registers Per Thread")
 
@@ -69,6 +80,15 @@ def summarize(sass_csv: str, top: int = 25) -> str:
     return "\n".join(out)
 
 
+def launch_skip(config: str, plan: list[dict] | None = None) -> int:
+    """ncu's --launch-skip for the first launch of the third call that walks (`plan`: the call's
+    launches, profile_kernel.launch_plan's by default)."""
+    plan = profile_kernel.launch_plan(config) if plan is None else plan
+    sampled = profile_kernel.parse(config)[3].startswith("probabilistic")
+    first = next(i for i, launch in enumerate(plan) if launch["run_when"] in WALKS_WHEN[sampled])
+    return WARM_CALLS * len(plan) + first
+
+
 def headline(details: str) -> str:
     return "\n".join(line.rstrip() for line in details.splitlines() if line.strip().startswith(HEADLINE))
 
@@ -84,7 +104,8 @@ def main() -> None:
     for config in args.configs:
         name = config.replace(",", "_")
         report = out / f"stall_{name}"
-        run(NCU + ["--set", "full", "--import-source", "yes", "-f", "-o", str(report), sys.executable,
+        ncu = NCU + ["--launch-skip", str(launch_skip(config))]
+        run(ncu + ["--set", "full", "--import-source", "yes", "-f", "-o", str(report), sys.executable,
                    str(Path(__file__).with_name("profile_kernel.py")), config], env)
         rep = f"{report}.ncu-rep"
         sass = run(["ncu", "-i", rep, "--page", "source", "--csv", "--print-source", "sass"])
@@ -97,7 +118,7 @@ def main() -> None:
             summary = summarize(sass)
         except (KeyError, StopIteration) as e:  # an ncu whose CSV differs: the raw CSV still came back
             summary = f"no summary ({e!r}); the CSV begins:\n" + "\n".join(sass.splitlines()[:5])
-        text = f"## {config}\n# {' '.join(NCU)} --set full --import-source yes\n{headline(details)}\n{summary}\n"
+        text = f"## {config}\n# {' '.join(ncu)} --set full --import-source yes\n{headline(details)}\n{summary}\n"
         (out / f"stall_{name}.md").write_text(text)
         print(text, flush=True)
 

@@ -31,3 +31,17 @@ def test_headline_keeps_only_the_named_metrics():
     details = "    Duration   us   73.50\n    L1 Hit Rate   %   99\n    Registers Per Thread   register/thread   164"
     assert stall_profile.headline(details).splitlines() == ["    Duration   us   73.50",
                                                              "    Registers Per Thread   register/thread   164"]
+
+
+def test_the_profiled_launch_is_one_that_walks():
+    """The third call's first launch that walks: a sampled call's guarded pair (greedy launch first)
+    profiles its sampled launch; a greedy or zero-temperature call its greedy one; a call of two
+    launches (128 requests) its first."""
+    pair = [{"run_when": "no_row_samples"}, {"run_when": "some_row_samples"}]
+    assert stall_profile.launch_skip("151936,7,64,probabilistic", pair) == 5
+    assert stall_profile.launch_skip("151936,7,64,greedy-t0", pair) == 4
+    assert stall_profile.launch_skip("151936,7,64,greedy", [{"run_when": "always"}]) == 2
+    assert stall_profile.launch_skip("151936,7,128,greedy", [{"run_when": "always"}] * 2) == 4
+    certified = [{"run_when": "some_row_greedy"}, {"run_when": "all_rows_sample"}]
+    assert stall_profile.launch_skip("151936,7,1,probabilistic,certified", certified) == 5
+    assert stall_profile.launch_skip("151936,7,1,greedy,certified", [{"run_when": "always"}]) == 2
