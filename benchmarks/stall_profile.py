@@ -73,8 +73,21 @@ def summarize(sass_csv: str, top: int = 25) -> str:
         entry[0] += 1
         entry[1] += number(r[samples])
     out = [f"total samples {total:.0f}"]
-    for count, (n, s) in sorted(per_count.items(), key=lambda kv: -kv[1][1])[:12]:
+    ranked = sorted(per_count.items(), key=lambda kv: -kv[1][1])
+    for count, (n, s) in ranked[:12]:
         out.append(f"exec={count:>9.0f} ninstr={n:>5} samples={s:>7.0f} {100 * s / max(total, 1):5.1f}%")
+    # ncu's per-reason columns ("stall_wait", ...; not their "(Not Issued)" twins), as shares of all samples:
+    # over the kernel, and over the instructions of the execution count with the most samples.
+    reasons = {name[len("stall_"):]: i for i, name in enumerate(header)
+               if name.startswith("stall_") and "Not Issued" not in name}
+    if reasons and ranked:
+        hottest = ranked[0][0]
+        for label, rows_of in (("stall reasons", body), (f"stall reasons at exec={hottest:.0f}",
+                                                         [r for r in body if number(r[executed]) == hottest])):
+            shares = {k: sum(number(r[i]) for r in rows_of) for k, i in reasons.items()}
+            top_shares = sorted(shares.items(), key=lambda kv: -kv[1])[:8]
+            out.append(f"{label} (% of all samples): " +
+                       ", ".join(f"{k} {100 * v / max(total, 1):.1f}" for k, v in top_shares))
     for r in sorted(body, key=lambda r: -number(r[samples]))[:top]:
         out.append(f"{number(r[samples]):>6.0f} {number(r[executed]):>8.0f} {r[src].strip()}")
     return "\n".join(out)
@@ -95,9 +108,17 @@ def headline(details: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for the summaries and the raw CSVs")
-    p.add_argument("configs", nargs="+", help='"V,K,B,mode[,head]" as profile_kernel.py takes them')
+    p.add_argument("--out", help="folder for the summaries and the raw CSVs")
+    p.add_argument("--from-csv", nargs="+", metavar="CSV_GZ", help="summarize these saved SASS CSVs (no GPU)")
+    p.add_argument("configs", nargs="*", help='"V,K,B,mode[,head]" as profile_kernel.py takes them')
     args = p.parse_args()
+    if args.from_csv:
+        for path in args.from_csv:
+            with gzip.open(path, "rt") as f:
+                print(f"## {Path(path).name}\n{summarize(f.read())}\n", flush=True)
+        return
+    if not args.configs or not args.out:
+        p.error("give --out and configs, or --from-csv")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))

@@ -45,3 +45,14 @@ def test_the_profiled_launch_is_one_that_walks():
     certified = [{"run_when": "some_row_greedy"}, {"run_when": "all_rows_sample"}]
     assert stall_profile.launch_skip("151936,7,1,probabilistic,certified", certified) == 5
     assert stall_profile.launch_skip("151936,7,1,greedy,certified", [{"run_when": "always"}]) == 2
+
+
+def test_stall_reasons_over_the_kernel_and_its_hottest_body():
+    """ncu's per-reason columns as shares of all samples, largest first: over every instruction, and
+    over those of the execution count with the most samples; their "(Not Issued)" twins left out."""
+    header = CSV.splitlines()[1] + ',"stall_wait","stall_long_sb","stall_wait (Not Issued)"'
+    rows = [line + extra for line, extra in zip(CSV.splitlines()[2:], (',"20","10","99"', ',"0","10","99"',
+                                                                            ',"900","300","99"', ',"0","60","99"'))]
+    lines = stall_profile.summarize("\n".join([CSV.splitlines()[0], header, *rows]), top=0).splitlines()
+    assert lines[-2] == "stall reasons (% of all samples): wait 70.8, long_sb 29.2"
+    assert lines[-1] == "stall reasons at exec=66472 (% of all samples): wait 70.8, long_sb 23.8"
