@@ -7,8 +7,8 @@
 # It builds the CUDA and CPU modules once, with the design-floor probes (-DJAX_MARKOV_PROBES=ON; the
 # timeline part also builds the timeline variant), and names every output after the GPU (<gpu> is
 # h100 or h200: benchmarks/gpu_timing.py's results_name of nvidia-smi's name). Into OUT_DIR:
-#   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_certified.py, test_design_floor.py and
-#               test_command_buffers.py, six shards side by side
+#   tests       <gpu>_test_cuda.log: tests/test_cuda.py, test_cuda_transposed.py, test_cuda_certified.py,
+#               test_design_floor.py and test_command_buffers.py, six shards side by side
 #   sanitizers  <gpu>_memcheck.log, <gpu>_racecheck.log: compute-sanitizer on small and streamed shapes and on the
 #               certified walk's exact-round GPU tests; memcheck, racecheck: one of the two
 #   table       <gpu>.{md,json,png} and <gpu>_gpu_timing.log: benchmarks/gpu_timing.py --repeats 5 with the
@@ -92,7 +92,7 @@ for part in "${parts[@]}"; do
     tests)
       # Six processes side by side, each every sixth test in collection order (tests/conftest.py's
       # JAX_MARKOV_TEST_SHARD), so that every GPU test runs exactly once (tests/test_run_gpu_shards.py).
-      files="tests/test_cuda.py tests/test_cuda_certified.py tests/test_design_floor.py tests/test_command_buffers.py"
+      files="tests/test_cuda.py tests/test_cuda_transposed.py tests/test_cuda_certified.py tests/test_design_floor.py tests/test_command_buffers.py"
       shards=6
       pids=()
       for ((i = 0; i < shards; i++)); do

@@ -13,9 +13,12 @@ Use them as fixtures (the importlib import mode keeps conftest out of `import`):
   max_mismatch_rows=None) -> (mismatch_rows, prefix_mask).
 - reference_scores(logits, temperature=None, key=None, position=None): what a walk chose from,
   rebuilt from its float32 logits (the ref_scores argument of assert_tokens_match).
+- check_parity(base, anchor, head, kw, *, logits_dtype=..., **walk_kw): the GPU tests' kernel walk
+  against the reference (tests/cuda_cases.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import sys
@@ -197,3 +200,12 @@ def reference_scores_fixture():
 @pytest.fixture(name="assert_tokens_match")
 def assert_tokens_match_fixture():
     return tokens_match
+
+
+@pytest.fixture
+def check_parity():
+    """The GPU tests' kernel-against-reference check (tests/cuda_cases.py), as
+    check_parity(base, anchor, head, kw, *, logits_dtype=..., **walk_kw) -> near-tie rows."""
+    from tests import cuda_cases
+
+    return functools.partial(cuda_cases.check_parity, reference_scores, tokens_match)

@@ -29,7 +29,7 @@ import pytest
 import jax_markov as jm
 from jax_markov import native
 from tests import certified_cases
-from tests.test_cuda import NEAR_TIE, poison_device_memory
+from tests.cuda_cases import NEAR_TIE, poison_device_memory
 
 pytestmark = pytest.mark.skipif(not native.cuda_gpu_available(),
                                 reason="needs a CUDA GPU and the jax_markov CUDA module")

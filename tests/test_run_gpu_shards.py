@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_certified.py", "tests/test_design_floor.py",
-                  "tests/test_command_buffers.py"]
+GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_transposed.py", "tests/test_cuda_certified.py",
+                  "tests/test_design_floor.py", "tests/test_command_buffers.py"]
 
 
 def script_variable(name):
