@@ -30,10 +30,6 @@ from benchmarks import profile_kernel  # noqa: E402
 
 NCU = ["ncu", "--clock-control", "none", "--kernel-name", "regex:MarkovWalk(Transposed)?Kernel", "--launch-count", "1"]
 WARM_CALLS = 2  # profile_kernel.py walks 3 chained calls; the third is profiled
-# The launches (their run_when, ffi/common/walk_config.h's RunWhen) that walk a batch whose rows are all
-# greedy (greedy, greedy-logits, greedy-t0) or all sampled (probabilistic).
-WALKS_WHEN = {False: {"always", "no_row_samples", "some_row_greedy"},
-              True: {"always", "some_row_samples", "all_rows_sample"}}
 HEADLINE = ("Duration", "Issue Slots Busy", "Issued Ipc Active", "No Eligible", "Active Warps Per Scheduler",
             "Warp Cycles Per Issued Instruction", "Registers Per Thread")
 
@@ -97,8 +93,9 @@ def launch_skip(config: str, plan: list[dict] | None = None) -> int:
     """ncu's --launch-skip for the first launch of the third call that walks (`plan`: the call's
     launches, profile_kernel.launch_plan's by default)."""
     plan = profile_kernel.launch_plan(config) if plan is None else plan
-    sampled = profile_kernel.parse(config)[3].startswith("probabilistic")
-    first = next(i for i, launch in enumerate(plan) if launch["run_when"] in WALKS_WHEN[sampled])
+    # profile_kernel.py's probabilistic rows all sample; its other modes' rows are all greedy.
+    batch_class = "all_sampled" if profile_kernel.parse(config)[3].startswith("probabilistic") else "all_greedy"
+    first = next(i for i, launch in enumerate(plan) if batch_class in launch["walks_in"])
     return WARM_CALLS * len(plan) + first
 
 

@@ -120,7 +120,8 @@ def cuda_launch_plan(batch: int, steps: int, vocab: int, rank: int, w1_dtype, w2
     whose greedy launch is another kernel, the guarded pair "no_row_samples" / "some_row_samples", and
     for a certified head's sampled call the plain sampled walk "all_rows_sample" after the certified
     "some_row_greedy", or "mixed_rows" where a greedy launch precedes it; decided on the device from
-    the temperatures), and whether its W2 tiles land by bulk copies ("w2_tiled"). certified: a
+    the temperatures; "walks_in": the batch classes "all_greedy", "mixed", "all_sampled" in which it
+    walks), and whether its W2 tiles land by bulk copies ("w2_tiled"). certified: a
     CertifiedMarkovHead's walk; w2_tiles: the head carries W2 stored tile by tile (QuantizedMarkovHead.tiles).
     ValueError naming the limit where the kernel cannot walk the call."""
     return [dict(p) for p in _plan_module().plan(

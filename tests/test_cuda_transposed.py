@@ -71,7 +71,7 @@ def test_parity_transposed_9_to_16_greedy(reference_scores, assert_tokens_match,
     for h, family in ((head, "transposed"), (bare, "walk")):
         plans = native.cuda_launch_plan(batch, 7, vocab, 256, w1_dtype, jnp.int8, base_dtype=jnp.bfloat16,
                                         sampling=zero_temperatures, w2_tiles=h.tiles is not None)
-        (greedy,) = _walking_greedy(plans)
+        (greedy,) = [p for p in plans if "all_greedy" in p["walks_in"]]
         assert greedy["family"] == family and (family == "transposed" or "eregs" in greedy["name"]), greedy
     if extras:
         d2t = np.sort(rng.choice(v_target, vocab, replace=False)) - np.arange(vocab)
@@ -84,11 +84,6 @@ def test_parity_transposed_9_to_16_greedy(reference_scores, assert_tokens_match,
         _, same_prefix = assert_tokens_match(scores, ref.tokens, got.tokens, NEAR_TIE, rtol=NEAR_TIE, d2t=kw.get("d2t"),
                                              max_mismatch_rows=max(1, int(MAX_NEAR_TIE_ROWS * batch)))
         np.testing.assert_array_equal(np.asarray(got.embeds)[same_prefix], np.asarray(ref.embeds)[same_prefix])
-
-
-def _walking_greedy(plans):
-    """The launches that walk a batch whose rows are all greedy (walk_config.h's RunWhen)."""
-    return [p for p in plans if p["run_when"] in ("always", "no_row_samples", "some_row_greedy")]
 
 
 # The transposed kernel's W2 tiles land by one bulk copy each from the head's tiles (quantize's

@@ -42,8 +42,10 @@ WALKS_IN = {"always": set(CLASSES), "no_row_samples": {"all_greedy"}, "some_row_
 
 def _walking(plans, batch_class):
     """The launches that walk for a batch of that class: one of each run's guarded launches, and every
-    unguarded launch."""
-    return [p for p in plans if batch_class in WALKS_IN[p["run_when"]]]
+    unguarded launch (each launch's walks_in, checked against WALKS_IN)."""
+    for p in plans:
+        assert set(p["walks_in"]) == WALKS_IN[p["run_when"]], p
+    return [p for p in plans if batch_class in p["walks_in"]]
 
 
 def _grid(seed=0, count=4000):

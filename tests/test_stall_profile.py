@@ -37,14 +37,15 @@ def test_the_profiled_launch_is_one_that_walks():
     """The third call's first launch that walks: a sampled call's guarded pair (greedy launch first)
     profiles its sampled launch; a greedy or zero-temperature call its greedy one; a call of two
     launches (128 requests) its first."""
-    pair = [{"run_when": "no_row_samples"}, {"run_when": "some_row_samples"}]
+    always = {"walks_in": ["all_greedy", "mixed", "all_sampled"]}
+    pair = [{"walks_in": ["all_greedy"]}, {"walks_in": ["mixed", "all_sampled"]}]
     assert stall_profile.launch_skip("151936,7,64,probabilistic", pair) == 5
     assert stall_profile.launch_skip("151936,7,64,greedy-t0", pair) == 4
-    assert stall_profile.launch_skip("151936,7,64,greedy", [{"run_when": "always"}]) == 2
-    assert stall_profile.launch_skip("151936,7,128,greedy", [{"run_when": "always"}] * 2) == 4
-    certified = [{"run_when": "some_row_greedy"}, {"run_when": "all_rows_sample"}]
+    assert stall_profile.launch_skip("151936,7,64,greedy", [always]) == 2
+    assert stall_profile.launch_skip("151936,7,128,greedy", [always] * 2) == 4
+    certified = [{"walks_in": ["all_greedy", "mixed"]}, {"walks_in": ["all_sampled"]}]
     assert stall_profile.launch_skip("151936,7,1,probabilistic,certified", certified) == 5
-    assert stall_profile.launch_skip("151936,7,1,greedy,certified", [{"run_when": "always"}]) == 2
+    assert stall_profile.launch_skip("151936,7,1,greedy,certified", [always]) == 2
 
 
 def test_stall_reasons_over_the_kernel_and_its_hottest_body():

@@ -74,6 +74,16 @@ const char* RunWhenName(int run_when) {
   throw std::logic_error("a launch plan's run_when is not a RunWhen: " + std::to_string(run_when));
 }
 
+// The batch classes (BatchClass) in which a launch of this RunWhen walks.
+nb::list WalksIn(int run_when) {
+  using namespace jax_markov::walk;
+  nb::list classes;
+  if (run_when & kAllGreedy) classes.append("all_greedy");
+  if (run_when & kMixedRows) classes.append("mixed");
+  if (run_when & kAllSampled) classes.append("all_sampled");
+  return classes;
+}
+
 nb::dict KernelDict(const KernelKey& k) {
   nb::dict d;
   d["name"] = jax_markov::walk::KernelName(k);
@@ -152,6 +162,7 @@ NB_MODULE(_markov_plan, m) {
           d["sampling"] = l.sampling;
           d["w2_tiled"] = l.w2_tiled;
           d["run_when"] = RunWhenName(l.run_when);
+          d["walks_in"] = WalksIn(l.run_when);
           launches.append(d);
         }
         return launches;
