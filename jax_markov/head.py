@@ -63,9 +63,10 @@ class QuantizedMarkovHead:
 
     tiles: q stored tile by tile (`tile_w2(q)`), or None. The CUDA kernel of 17-64 requests moves each
     64-row tile of W2 into shared memory by one bulk copy from it, instead of 1024 copies of 16 bytes
-    from q, and with it walks 9-16 greedy requests too (docs/kernel_design.md); nothing else reads it. `quantize` makes it (the same bytes as q
-    again: 37.1 MiB at V = 151936); the walk trusts that it holds q's bytes, so after changing q make the
-    head again with `quantize(QuantizedMarkovHead(w1, q, scale))`.
+    from q, and with it walks 9-16 greedy requests too (docs/kernel_design.md); nothing else reads it.
+    `quantize` makes it (the same bytes as q again: 37.1 MiB at V = 151936); the walk trusts that it
+    holds q's bytes, so after changing q make the head again with
+    `quantize(QuantizedMarkovHead(w1, q, scale))`.
     """
 
     w1: jax.Array

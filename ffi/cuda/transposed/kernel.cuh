@@ -1,7 +1,7 @@
-// MarkovWalkTransposedKernel: walks of 17 to 64 requests over int8 W2, and of 9-16 greedy ones with no
-// logits out from a head with tiles (docs/kernel_design.md, "The transposed kernel"). Greedy walks with no logits out take the plain instance (kPlainWalk); greedy
-// walks with logits out and sampled walks take the general epilogue (kLogitsWalk, kSampledWalk,
-// kRotatedSampledWalk).
+// MarkovWalkTransposedKernel: walks of 17 to 64 requests over int8 W2, and of 9-16 greedy ones with no logits
+// out from a head with tiles (docs/kernel_design.md sections 5 and 8). Greedy walks with no logits out take
+// the plain instance (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
+// (kLogitsWalk, kSampledWalk, kRotatedSampledWalk).
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
 //   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): fixed point at 2^-14 of the largest
 //   element, where the fp16 e of MarkovWalkKernel holds a bf16 W1 exactly; the bias errs by up to
