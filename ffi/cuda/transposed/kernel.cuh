@@ -65,6 +65,9 @@ struct TransposedTraits {
   using Layout = TransposedSmem<PACKED, ROTATED, kWarpgroups>;
   static constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   static constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
+  // Philox blocks a sampled thread makes at once, their chains in lockstep: two where it scores one
+  // request (PACKED); beside the unpacked layout's two requests a second block spilled.
+  static constexpr int kNoiseBlocks = PACKED ? 2 : 1;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kPerWarp = (kMaxBatch + kWarps - 1) / kWarps;  // requests whose choice a warp fetches
   // Requests whose base logits a thread loads before the MMAs: a sampled walk without PACKED loads
@@ -77,7 +80,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   constexpr int BASE = T::BASE;
   constexpr bool PACKED = T::PACKED, GENERAL = T::GENERAL, SAMPLED = T::SAMPLED, ROTATED = T::ROTATED;
   constexpr int kWarpgroups = T::kWarpgroups, kThreads = T::kThreads, kBlocks = T::kBlocks, kRequests = T::kRequests;
-  constexpr int kWarps = T::kWarps, kPerWarp = T::kPerWarp, kEarly = T::kEarly;
+  constexpr int kWarps = T::kWarps, kPerWarp = T::kPerWarp, kEarly = T::kEarly, kNoiseBlocks = T::kNoiseBlocks;
   using Digits = typename T::Digits;
   using Layout = typename T::Layout;
   if (SkipsLaunch(a)) return;
@@ -347,16 +350,22 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
           const BasePairBits<BASE>(&base_r)[8] = r < kEarly ? base[r < kEarly ? r : 0] : late;
           const bool sampled = SAMPLED && inv_t[r] >= 0.0f;
           uint32_t bits[kOut == kF32 ? 16 : 8];
-          float gumbel[4];
+          float gumbel[4 * kNoiseBlocks];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (sampled && j % 2 == 0) {  // rows 2 j .. 2 j + 3: one Philox block
-              const uint32_t k0[1] = {key0[r]}, k1[1] = {key1[r]}, block[1] = {uint32_t(thread_row0 + 2 * j) / 4};
-              const uint32_t p[1] = {position[r]};
-              float g4[1][4];
-              GumbelNoiseBlock<1, true>(k0, k1, block, p, g4);
+            if (sampled && j % (2 * kNoiseBlocks) == 0) {  // rows 2 j .. 2 j + 4 kNoiseBlocks - 1: a block each 4
+              uint32_t k0[kNoiseBlocks], k1[kNoiseBlocks], block[kNoiseBlocks], p[kNoiseBlocks];
 #pragma unroll
-              for (int c = 0; c < 4; ++c) gumbel[c] = g4[0][c];
+              for (int n = 0; n < kNoiseBlocks; ++n) {
+                k0[n] = key0[r];
+                k1[n] = key1[r];
+                block[n] = uint32_t(thread_row0 + 2 * j) / 4 + n;
+                p[n] = position[r];
+              }
+              float g4[kNoiseBlocks][4];
+              GumbelNoiseBlock<kNoiseBlocks, true>(k0, k1, block, p, g4);
+#pragma unroll
+              for (int c = 0; c < 4 * kNoiseBlocks; ++c) gumbel[c] = g4[c / 4][c % 4];
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -372,7 +381,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
                   bits[j] = h ? bits[j] | (b << 16) : b;
                 }
               }
-              const float score = sampled ? SampledScore(l, inv_t[r], gumbel[2 * (j % 2) + h]) : l;
+              const float score = sampled ? SampledScore(l, inv_t[r], gumbel[2 * (j % (2 * kNoiseBlocks)) + h]) : l;
               if (!(score <= best_value[r]) && best_value[r] == best_value[r]) {
                 best_value[r] = score;
                 best_row[r] = row;
