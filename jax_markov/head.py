@@ -63,7 +63,7 @@ class QuantizedMarkovHead:
 
     tiles: q stored tile by tile (`tile_w2(q)`), or None. The CUDA kernel of 17-64 requests moves each
     64-row tile of W2 into shared memory by one bulk copy from it, instead of 1024 copies of 16 bytes
-    from q, and with it walks 9-16 greedy requests too (docs/kernel_design.md); nothing else reads it.
+    from q, and with it walks 9-16 requests too (docs/kernel_design.md); nothing else reads it.
     `quantize` makes it (the same bytes as q again: 37.1 MiB at V = 151936); the walk trusts that it
     holds q's bytes, so after changing q make the head again with
     `quantize(QuantizedMarkovHead(w1, q, scale))`.
@@ -174,7 +174,7 @@ def quantize(head, *, certified: bool = False, tiles: bool = True) -> QuantizedM
 
     tiles: whether the int8 head also holds q stored tile by tile (QuantizedMarkovHead.tiles, made
     where the package's plan module is built and r is the CUDA kernel's 256), which the CUDA walk of
-    17-64 requests (and, with them, of 9-16 greedy ones) reads faster; tiles=False saves its memory.
+    17-64 requests (and, with them, of 9-16) reads faster; tiles=False saves its memory.
 
     certified=True returns a CertifiedMarkovHead: the int8 head (without tiles: no kernel that walks a
     certified head reads them) plus the unquantized W2 (the same array, not a copy) and each row's

@@ -96,23 +96,26 @@ def test_every_plan_is_an_instantiated_kernel_that_fits():
 
 
 def _check_tiled_plans(case, plans, instantiated):
-    """With the head's tiles, the same launches, the transposed ones reading the tiles, but for greedy
-    launches of 9-16 requests with no logits out from bf16 base logits (EREGS's, V % 8 == 0), which
-    take the transposed kernel wherever it walks 17 such requests of the call."""
+    """With the head's tiles, the same launches walk each batch class, the transposed ones reading the
+    tiles, but for launches of 9-16 requests from bf16 base logits (V % 8 == 0; logits out from a bf16
+    W1 only), which take the transposed kernel's packed instances wherever it walks 17 greedy requests
+    of the call (a sampled call's then a guarded pair, the greedy launch the plain instance)."""
     batch, steps, vocab, w2, w1, base, logits, sampling, props = case
     tiled = _plans(*case, w2_tiles=True)
-    assert [p["run_when"] for p in tiled] == [p["run_when"] for p in plans], case
     transposed_fits = _plans(17, steps, vocab, w2, w1, base, None, False, props, w2_tiles=True)[0]["family"] == "transposed"
-    for t, p in zip(tiled, plans):
-        assert t["w2_tiled"] == (t["family"] == "transposed"), (case, t)
-        moves = (8 < p["batch"] <= 16 and not p["sampling"] and logits is None and base == "bfloat16" and vocab % 8 == 0
-                 and transposed_fits)
-        if moves:
-            assert t["family"] == "transposed" and "packed,plain" in t["name"] and t["name"] in instantiated, (case, t)
-            assert (t["first"], t["batch"], t["sampling"]) == (p["first"], p["batch"], p["sampling"]), case
-            assert 0 <= t["resident_tiles"] <= t["tiles_per_cta"] and 0 < t["smem_bytes"] <= props["smem_per_block"]
-        else:
-            assert dict(t, w2_tiled=False) == p, (case, t, p)
+    unguarded = lambda plan: {k: v for k, v in plan.items() if k not in ("run_when", "walks_in")}
+    for batch_class in CLASSES:
+        for t, p in itertools.zip_longest(_walking(tiled, batch_class), _walking(plans, batch_class)):
+            assert (t["first"], t["batch"]) == (p["first"], p["batch"]), case
+            assert t["w2_tiled"] == (t["family"] == "transposed"), (case, t)
+            moves = (8 < p["batch"] <= 16 and base == "bfloat16" and vocab % 8 == 0 and transposed_fits
+                     and (logits is None or w1 == "bfloat16"))
+            if moves:
+                assert t["family"] == "transposed" and ",packed," in t["name"] and t["name"] in instantiated, (case, t)
+                assert t["sampling"] == (sampling and batch_class != "all_greedy"), (case, t)
+                assert 0 <= t["resident_tiles"] <= t["tiles_per_cta"] and 0 < t["smem_bytes"] <= props["smem_per_block"]
+            else:
+                assert unguarded(dict(t, w2_tiled=False)) == unguarded(p), (case, t, p)
 
 
 @pytest.mark.parametrize("batch, sampling, logits, base, kernel", [
@@ -120,16 +123,20 @@ def _check_tiled_plans(case, plans, instantiated):
     (9, False, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),
     (16, False, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),
     (16, True, None, "bfloat16", "transposed<base=bfloat16,packed,plain>"),  # a sampled call's greedy launch
-    (12, False, "bfloat16", "bfloat16", "walk<nt=2,eregs,w2=int8,threads=256,form=bf16_logits>"),
+    (12, False, "bfloat16", "bfloat16", "transposed<base=bfloat16,packed,logits>"),
     (16, False, None, "float32", "walk<nt=2,w2=int8,threads=512,form=any>"),
 ])
-def test_a_head_with_tiles_walks_9_to_16_greedy_requests_transposed(batch, sampling, logits, base, kernel):
-    """A head with tiles: 9-16 greedy requests with no logits out from bf16 base logits take the
-    transposed kernel (docs/kernel_design.md section 8), reading the tiles; their other walks are the
-    untiled head's."""
+def test_a_head_with_tiles_walks_9_to_16_requests_transposed(batch, sampling, logits, base, kernel):
+    """A head with tiles: 9-16 requests from bf16 base logits take the transposed kernel's packed
+    instances (docs/kernel_design.md section 8), reading the tiles; their other walks are the untiled
+    head's."""
     (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", base, logits, sampling, H100, w2_tiles=True),
                        "all_greedy")
     assert plan["name"] == kernel and plan["w2_tiled"] == kernel.startswith("transposed")
+    if sampling:  # its rows sampled: the packed sampled instance
+        (plan,) = _walking(_plans(batch, 7, 151936, "int8", "bfloat16", base, logits, sampling, H100, w2_tiles=True),
+                           "all_sampled")
+        assert plan["name"] == "transposed<base=bfloat16,packed,sampled>" and plan["w2_tiled"]
 
 
 def test_w2_tile_order_is_the_transposed_tile_layout():

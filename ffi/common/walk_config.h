@@ -97,7 +97,7 @@ MARKOV_HOST_DEVICE constexpr bool StagesLogits(int nt, bool split, bool digits, 
   return !split && !digits && (!f32 || nt >= 4);
 }
 
-// The transposed kernel (17-64 requests over int8 W2, and 9-16 greedy ones of a head with tiles):
+// The transposed kernel (17-64 requests over int8 W2, and 9-16 of a head with tiles):
 // 64-row tiles of W2.
 constexpr int kTransposedTileRows = 64;
 constexpr int kTransposedTileBytes = kTransposedTileRows * kRank;  // int8
@@ -112,9 +112,9 @@ enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, k
 constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 %
 // Up to this many requests the transposed kernel takes the packed layout (one A operand for both digits).
 constexpr int kPackedMaxBatch = 32;
-// From this many requests a head with tiles walks greedy launches with no logits out from bf16 base
-// logits on the transposed kernel (WalksTransposed in ffi/plan/walk_plan.cc), not on EREGS; fewer take
-// the digit pairs.
+// From this many requests a head with tiles walks launches from bf16 base logits on the transposed
+// kernel (WalksTransposed in ffi/plan/walk_plan.cc), not on EREGS or the fp16 columns; fewer take the
+// digit kernel or the digit pairs.
 constexpr int kTransposedTiledMinBatch = 9;
 
 // A transposed walk's warpgroups a CTA: the plain walk over 16-bit base logits on four (its epilogue

@@ -50,8 +50,8 @@
 #define JAX_MARKOV_F16_WALK_KERNELS(X) JAX_MARKOV_COLUMN_KERNELS(X, kW2F16, 256)
 #define JAX_MARKOV_BF16_WALK_KERNELS(X) JAX_MARKOV_COLUMN_KERNELS(X, kW2BF16, 256)
 
-// MarkovWalkTransposedKernel<BASE, PACKED, WALK> (17-64 requests over int8 W2, 9-16 greedy ones of a head
-// with tiles): X(BASE, PACKED, WALK).
+// MarkovWalkTransposedKernel<BASE, PACKED, WALK> (17-64 requests over int8 W2, 9-16 of a head with tiles):
+// X(BASE, PACKED, WALK).
 #define JAX_MARKOV_TRANSPOSED_WALKS(X, BASE)                                                        \
   X(BASE, true, kPlainWalk) X(BASE, true, kLogitsWalk) X(BASE, true, kSampledWalk)                  \
   X(BASE, false, kPlainWalk) X(BASE, false, kLogitsWalk) X(BASE, false, kSampledWalk)               \

@@ -139,8 +139,8 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
 }
 
 // The transposed kernel: int8 W2 (the caller checks), 17-64 requests (above the direct exchange), and
-// 9-16 greedy ones with no logits out from bf16 base logits where the head gives its tiles (there its
-// tiles' bulk copies make it faster than EREGS: docs/kernel_design.md section 8); V % 8 == 0 and base
+// 9-16 from bf16 base logits where the head gives its tiles (there its tiles' bulk copies make it faster
+// than EREGS and the fp16 columns: docs/kernel_design.md section 8); V % 8 == 0 and base
 // logits and logits 16-byte aligned (it moves them 16 bytes at a time, 8 rows in bf16 and fp16).
 // Logits go out of it only for a bf16 W1: its two int8 digits of e keep 15 bits below e's largest
 // element, all the bits of a bf16 element but its smallest ones, while most fp16 and fp32 elements
@@ -148,8 +148,8 @@ LaunchPlan PlanWalkKernel(const WalkCall& call, int batch, const DevicePropertie
 // MarkovWalkKernel's hi + lo columns keep them within it).
 bool WalksTransposed(const WalkCall& call, int batch) {
   const bool logits = call.logits_dtype != kNone;
-  const bool tiled_greedy = call.w2_tiled && !call.sampling && !logits && call.base_dtype == kBF16;
-  const int fewest = tiled_greedy ? kTransposedTiledMinBatch : kDirectBatch + 1;
+  const bool tiled = call.w2_tiled && call.base_dtype == kBF16;
+  const int fewest = tiled ? kTransposedTiledMinBatch : kDirectBatch + 1;
   return batch >= fewest && batch <= kMaxBatch && call.vocab % 8 == 0 && call.base_aligned &&
          (!logits || (call.logits_aligned && call.w1_dtype == kBF16));
 }

@@ -1,5 +1,5 @@
-// MarkovWalkTransposedKernel: walks of 17 to 64 requests over int8 W2, and of 9-16 greedy ones with no logits
-// out from a head with tiles (docs/kernel_design.md sections 5 and 8). Greedy walks with no logits out take
+// MarkovWalkTransposedKernel: walks of 17 to 64 requests over int8 W2, and of 9-16 from bf16 base logits and
+// a head with tiles (docs/kernel_design.md sections 5 and 8). Greedy walks with no logits out take
 // the plain instance (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
 // (kLogitsWalk, kSampledWalk, kRotatedSampledWalk).
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
