@@ -10,7 +10,7 @@ or (--device-times) times its launches itself from the device activity that jax.
 
 The head of a config is int8 (the default: quantize's head, with its tiles), untiled (the int8 head
 without tiles: quantize(head, tiles=False)), certified (a CertifiedMarkovHead of the same weights: its
-certified walk: up to 8 requests, or 9-16 greedy ones) or bf16.
+certified walk: up to 8 requests, or 9-64 greedy ones) or bf16.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
@@ -55,7 +55,7 @@ def walk_options(mode: str, batch: int) -> dict:
 def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"):
     """The jitted walk of one configuration and its inputs; head_format "int8" (quantized, with tiles),
     "untiled" (quantized without tiles), "certified" (quantize(head, certified=True): the certified walk
-    of up to 8 requests or 9-16 greedy ones) or "bf16"."""
+    of up to 8 requests or 9-64 greedy ones) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)

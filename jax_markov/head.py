@@ -122,11 +122,12 @@ class CertifiedMarkovHead:
     - the returned logits are the int8 logits for every row, greedy ones included (rejection sampling
       needs the distribution that sampled rows drew from); embeds, d2t, vocab_size and logit_scale
       mean what they mean for any head (the bound scales with |logit_scale|).
-    The reference computes both biases in full. On a GPU the CUDA kernel walks this head for up to 16
-    requests (the launch plan's limits) with the same bound: the grid's int8 keys, second-best scores
-    and margins certify most greedy choices, and only where they do not are the candidates re-scored
-    exactly (ffi/cuda/walk/certified.cuh); the reference walks it elsewhere. jax_markov.sharding.walk
-    refuses it.
+    The reference computes both biases in full. On a GPU the CUDA kernel walks this head for up to 64
+    requests (the launch plan's limits) with the same bound: up to 16, the grid's int8 keys,
+    second-best scores and margins certify most greedy choices, and only where they do not are the
+    candidates re-scored exactly (ffi/cuda/walk/certified.cuh); above 16, where nearly every step has
+    a choice they could not certify, every step re-scores its candidates (ffi/cuda/transposed/
+    certified.cuh); the reference walks it elsewhere. jax_markov.sharding.walk refuses it.
     """
 
     quantized: QuantizedMarkovHead

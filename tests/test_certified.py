@@ -203,7 +203,7 @@ def test_sharding_walk_refuses_a_certified_head(rng):
 
 
 def test_cuda_lowering_walks_a_certified_head_up_to_its_batch_limit(rng):
-    """On cuda (lowered for it on any machine) a certified head of up to 16 requests (tokens only)
+    """On cuda (lowered for it on any machine) a certified head of up to 64 requests (tokens only)
     lowers to the custom call with the certificate's two operands where the CUDA module is built; more
     requests lower the reference with impl="auto", and impl="ffi" says why, naming the limit."""
     _, chead = certified_head(rng, 64, 256)
@@ -214,13 +214,13 @@ def test_cuda_lowering_walks_a_certified_head_up_to_its_batch_limit(rng):
         f = jax.jit(lambda x, a, h: jax_markov.walk(x, a, h, impl=impl).tokens)
         return f.trace(base, anchor, chead).lower(lowering_platforms=("cuda",)).as_text()
 
-    text = lowered("auto", 17)
+    text = lowered("auto", 65)
     assert "custom_call @jax_markov_walk" not in text and "stablehlo.while" in text
-    with pytest.raises(ValueError, match=r"impl='ffi' on cuda: .*(CertifiedMarkovHead for B <= 8 requests.*got B = 17|"
+    with pytest.raises(ValueError, match=r"impl='ffi' on cuda: .*(CertifiedMarkovHead for B <= 8 requests.*got B = 65|"
                                          r"CUDA module is not built)"):
-        lowered("ffi", 17)
+        lowered("ffi", 65)
     if native.cuda_available():
-        for batch in (1, 2, 5, 16):  # the digit kernel's, the digit pairs' and EREGS's certified walks
+        for batch in (1, 2, 5, 16, 17, 64):  # the digit kernel's, the digit pairs', EREGS's, the transposed kernel's
             assert _custom_call_operands(lowered("auto", batch)) == 12  # the walk's ten, w2_exact, residual_norm
         assert _custom_call_operands(lowered("ffi", 1)) == 12
     else:

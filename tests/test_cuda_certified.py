@@ -1,5 +1,5 @@
-"""The sm_90 kernel walking a CertifiedMarkovHead (ffi/cuda/walk/certified.cuh), on the GPU (skipped
-cleanly without one).
+"""The sm_90 kernels walking a CertifiedMarkovHead (ffi/cuda/walk/certified.cuh up to 16 requests,
+ffi/cuda/transposed/certified.cuh for 17-64), on the GPU (skipped cleanly without one).
 
 - Greedy rows choose the unquantized head's tokens: those of the reference walking
   `chead.unquantized` and of the bf16-head kernel, up to near-ties at fp32 rounding (the kernel
@@ -42,6 +42,9 @@ V = 151936
 # half of them (25-57 of 112 decisions on an H100).
 MAX_RESCORED_FRACTION = 0.02
 MAX_CTA_RESCORED = 64
+# In the transposed kernel a thread whose third-best score reaches the threshold re-scores its every row
+# of the request: 16 of each of its warpgroup's tiles (96 at V = 151936 on 132 SMs).
+MAX_CTA_RESCORED_TRANSPOSED = 256
 # The small-bias heads' exact rounds: at most the count that `decisions` independent decisions, each
 # taking one at this rate (above the model's 8 %), exceed with probability below EXACT_ROUND_TAIL.
 # (One request's seven decisions are few: a bound of a quarter of them failed on an H100 with two.)
@@ -142,7 +145,8 @@ def test_constructed_disagreements(rng, stats, assert_tokens_match, case, logits
         assert_int8_logits(got, c.base, c.anchor, chead, logits_dtype)
 
 
-@pytest.mark.parametrize("batch,vocab", [(1, 512), (2, 512), (5, 512), (12, 4096)])  # digits, pairs, EREGS
+# the digit kernel, the digit pairs, EREGS, the transposed kernel
+@pytest.mark.parametrize("batch,vocab", [(1, 512), (2, 512), (5, 512), (12, 4096), (24, 4096)])
 def test_constructed_disagreement_at_the_last_step(rng, stats, assert_tokens_match, batch, vocab):
     """one_large_element walked one step: the exact round of the last step, which every CTA takes
     after the last exchange (not CTA 0 alone, as the plain walk's last choice)."""
@@ -211,11 +215,14 @@ def test_constructed_disagreements_placed(rng, stats, assert_tokens_match, place
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Each certified walk's calls: the digit kernel's 1-2 requests (tokens only: the plain form; logits out:
 # the any form), the digit pairs' 3-8 (logits out from a bf16 W1 only; lane (g, t): rows g and g + 8 of
-# request 4i + t) and EREGS's 9-16 (tokens only; lane (g, t): rows 8h + 2t + c of requests g and g + 8).
+# request 4i + t), EREGS's 9-16 (tokens only; lane (g, t): rows 8h + 2t + c of requests g and g + 8) and
+# the transposed kernel's 17-64 (tokens only, packed up to 32; 33-64 from a bf16 or f16 W1 only).
 RANDOM_SHAPES = ([(b, w1, lg, "digits,certified") for b in (1, 2) for w1 in (BF16, F32) for lg in (None, BF16, F32)] +
                  [(b, w1, lg, "pairs,certified") for b in (3, 8) for w1, lg in ((BF16, None), (F32, None), (BF16, BF16),
                                                                                (BF16, F32))] +
-                 [(b, w1, None, "eregs,certified") for b in (9, 16) for w1 in (BF16, F32)])
+                 [(b, w1, None, "eregs,certified") for b in (9, 16) for w1 in (BF16, F32)] +
+                 [(24, BF16, None, "packed,certified>"), (32, F32, None, "packed,certified>"),
+                  (64, BF16, None, "transposed<base=bfloat16,certified>")])
 
 
 @pytest.mark.parametrize("batch,w1_dtype,logits_dtype,kernel", RANDOM_SHAPES)
@@ -235,7 +242,10 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
     decisions = batch * 7
     assert counted["decisions"] == decisions and counted["uncertified"] == 0, counted
     assert counted["rescored"] <= MAX_RESCORED_FRACTION * V * decisions, counted
-    assert counted["max_cta_rescored"] <= MAX_CTA_RESCORED, counted
+    most = MAX_CTA_RESCORED_TRANSPOSED if "transposed" in plan["name"] else MAX_CTA_RESCORED
+    assert counted["max_cta_rescored"] <= most, counted
+    if "transposed" in plan["name"]:
+        assert counted["exact_rounds"] == decisions, counted  # every step of 17 or more requests takes one
     # In an exact round, a lane whose second-best column reaches the threshold re-scores all its rows.
     assert counted["lane_fallbacks"] <= 3 * decisions, counted
     print(f"certified ({plan['name']}): {counted['exact_rounds']} exact rounds in {decisions} decisions, "
@@ -245,18 +255,20 @@ def test_random_benchmark_shapes(rng, stats, assert_tokens_match, batch, w1_dtyp
         assert_int8_logits(got, base, anchor, chead, logits_dtype)
 
 
-@pytest.mark.parametrize("vocab", [4096, 60010])
-def test_eregs_constructed_disagreements(rng, stats, assert_tokens_match, vocab):
-    """one_large_element for 12 requests from bf16 base logits: at step 0 the int8 walk chooses another
-    column than the unquantized one for every request, and EREGS's certified walk chooses the latter
-    (V = 4096: a tile or two a CTA; 60010: resident tiles, a last tile half outside V)."""
-    batch = 12
+@pytest.mark.parametrize("batch,vocab,kernel", [(12, 4096, "eregs,certified"), (12, 60010, "eregs,certified"),
+                                                (24, 4096, "packed,certified>"),
+                                                (40, 60008, "transposed<base=bfloat16,certified>")])
+def test_constructed_disagreements_of_9_to_64_requests(rng, stats, assert_tokens_match, batch, vocab, kernel):
+    """one_large_element from bf16 base logits: at step 0 the int8 walk chooses another column than the
+    unquantized one for every request, and EREGS's (9-16) or the transposed kernel's (17-64) certified
+    walk chooses the latter (V = 4096: a tile or two a CTA; 60008 and 60010: resident tiles, a last tile
+    partly outside V)."""
     c = certified_cases.one_large_element(rng, vocab=vocab, batch=batch, steps=4)
     base = c.base.astype(jnp.bfloat16)
     chead = jm.quantize(c.head, certified=True)
     (plan,) = native.cuda_launch_plan(batch, 4, vocab, 256, jnp.bfloat16, jnp.int8, base_dtype=jnp.bfloat16,
                                       certified=True)
-    assert "eregs,certified" in plan["name"], plan
+    assert kernel in plan["name"], plan
     # the construction holds in bf16 base logits: the unquantized and the int8 walks part at step 0
     np.testing.assert_array_equal(walk(base, c.anchor, chead.unquantized, "reference").tokens[:, 0], c.exact)
     np.testing.assert_array_equal(walk(base, c.anchor, chead.quantized).tokens[:, 0], c.int8)
@@ -380,28 +392,32 @@ def test_small_biases_are_certified_without_rescoring(rng, stats, assert_tokens_
           f"re-scored")
 
 
+@pytest.mark.parametrize("batch", [2, 24])  # the digit kernel (float32 base logits), the transposed kernel (bf16)
 @pytest.mark.parametrize("element, w2_divisor, kw, uncertified", [
     (np.inf, 16.0, dict(), None),
-    (np.inf, 16.0, dict(logit_scale=1e37), 6),
+    (np.inf, 16.0, dict(logit_scale=1e37), "every decision"),
     # finite, but above RowShift's limit (its integers saturate); W2 small enough that 127 s ||e||_1
     # stays below 2^124, so that only that limit makes the bound unusable
     (3.2e38, 256.0, dict(), None),
 ])
 def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_tokens_match, element, w2_divisor, kw,
-                                                           uncertified):
+                                                           uncertified, batch):
     """An infinity in e (W1[anchor]), an element of e too large for the digits, or a logit_scale that
     could overflow a bias: every CTA re-scores all its rows of that step, and the tokens are still the
     unquantized walk's (step 0 of request 0 has infinite logits, or logits that one element of e
     dominates by far: no tolerance there)."""
-    vocab = 20011
+    vocab = 20011 if batch == 2 else 20008
     w1 = rng.standard_normal((vocab, 256)).astype(np.float32)
     w1[5, 3] = element
     head = jm.MarkovHead(jnp.asarray(w1), jnp.asarray(rng.standard_normal((vocab, 256)) / w2_divisor, jnp.bfloat16))
     chead = jm.quantize(head, certified=True)
-    base = jnp.asarray(rng.standard_normal((2, 3, vocab)), jnp.float32)
-    anchor = jnp.asarray([5, 1], jnp.int32)
+    base = jnp.asarray(rng.standard_normal((batch, 3, vocab)), jnp.float32 if batch == 2 else jnp.bfloat16)
+    anchor = jnp.asarray([5, *rng.integers(6, vocab, batch - 1)], jnp.int32)
+    stats()
     got = walk(base, anchor, chead, **kw)
     counted = stats()
+    if uncertified == "every decision":
+        uncertified = batch * 3
     ref = walk(base, anchor, chead.unquantized, "reference", return_logits=True, **kw)
     assert ref.tokens[0, 0] == got.tokens[0, 0]
     assert_tokens_match(np.asarray(ref.logits), np.asarray(ref.tokens), np.asarray(got.tokens), NEAR_TIE,
@@ -410,13 +426,14 @@ def test_every_row_rescored_where_the_bound_cannot_be_used(rng, stats, assert_to
     assert counted["rescored"] >= counted["uncertified"] * vocab, counted
 
 
-@pytest.mark.parametrize("batch", [2, 4, 12])  # the digit kernel, the digit pairs, EREGS
+@pytest.mark.parametrize("batch", [2, 4, 12, 40])  # the digit kernel, the digit pairs, EREGS, transposed
 def test_ties_make_lanes_rescore_all_their_rows(rng, stats, batch):
     """W2 rows repeating every 8 rows and base logits too: the best class ties at thousands of columns.
     The grid's int8 keys cannot single out a choice (the winner's CTA has its second at the same
     score): every decision takes an exact round. At this V every warp scores two tiles or more, so that
-    a lane's rows (g and g + 8 of each, one class; EREGS: 8h + 2t + c) hold two candidates or more and
-    it re-scores all of them; the lowest index still wins, as in the unquantized walk."""
+    a lane's rows (g and g + 8 of each, one class; EREGS: 8h + 2t + c; transposed: 16 t .. 16 t + 15 of
+    each tile, two of each class) hold two candidates or more (transposed: three) and it re-scores all of
+    them; the lowest index still wins, as in the unquantized walk."""
     vocab = 69632  # 33 tiles a CTA on 132 SMs
     w1 = jnp.asarray(rng.standard_normal((vocab, 256)), jnp.bfloat16)
     w2 = jnp.asarray(np.tile(rng.standard_normal((8, 256)) / 16.0, (vocab // 8, 1)), jnp.bfloat16)
@@ -434,7 +451,7 @@ def test_ties_make_lanes_rescore_all_their_rows(rng, stats, batch):
 
 def test_decode_loop_and_auto(rng, stats):
     """impl="auto" walks a certified head of 1-2 requests on the kernel (its counters move), inside a
-    jitted decode loop too; 17 requests walk on the reference."""
+    jitted decode loop too; 17 requests at an odd V walk on the reference, 24 at V = 20008 on the kernel."""
     head, chead = random_heads(rng, 20011, w1_dtype=jnp.bfloat16)
     base = jnp.asarray(rng.standard_normal((2, 2, 5, 20011)), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, 20011, 2), jnp.int32)
@@ -457,3 +474,7 @@ def test_decode_loop_and_auto(rng, stats):
     assert "custom_call @jax_markov_walk" not in text
     with pytest.raises(ValueError, match="B <= 8 requests"):
         jm.walk(wide, jnp.zeros(17, jnp.int32), chead, impl="ffi")
+    _, even = random_heads(rng, 20008, w1_dtype=jnp.bfloat16)
+    wider = jnp.asarray(rng.standard_normal((24, 5, 20008)), jnp.bfloat16)
+    text = jax.jit(lambda x, a, h: jm.walk(x, a, h).tokens).lower(wider, jnp.zeros(24, jnp.int32), even).as_text()
+    assert "custom_call @jax_markov_walk" in text

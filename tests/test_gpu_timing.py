@@ -266,11 +266,12 @@ def test_a_row_has_no_arm_whose_head_the_kernel_refuses(monkeypatch):
         pytest.skip("the launch plan module is not built")
     monkeypatch.setattr(native, "_markov_cuda", native._markov_cuda or object())  # the plan needs no GPU
     lines = []
-    one = gpu_timing.mode_arms("greedy", None, (151936, 7, 1), lines.append)
-    many = gpu_timing.mode_arms("greedy", None, (151936, 7, 64), lines.append)
+    one = gpu_timing.mode_arms("probabilistic", None, (151936, 7, 1), lines.append)
+    many = gpu_timing.mode_arms("probabilistic", None, (151936, 7, 64), lines.append)
     assert "kernel-certified" in one and "kernel-certified" not in many and many == tuple(
         arm for arm in one if arm != "kernel-certified")
     assert len(lines) == 1 and "no kernel-certified arm" in lines[0] and "B=64" in lines[0]
+    assert "kernel-certified" in gpu_timing.mode_arms("greedy", None, (151936, 7, 64), lines.append)
 
 
 def test_xla_flags_are_appended_once():

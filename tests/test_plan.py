@@ -175,22 +175,27 @@ def test_every_instantiated_kernel_is_some_plan():
     (8, True, "bfloat16", "bfloat16", "walk<nt=2,split,pairs,certified,w2=int8,threads=512,form=any>"),
     (9, False, None, "bfloat16", "walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"),
     (16, False, None, "bfloat16", "walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"),
+    (17, False, None, "bfloat16", "transposed<base=bfloat16,packed,certified>"),
+    (32, False, None, "bfloat16", "transposed<base=bfloat16,packed,certified>"),
+    (33, False, None, "bfloat16", "transposed<base=bfloat16,certified>"),
+    (64, False, None, "bfloat16", "transposed<base=bfloat16,certified>"),
 ])
 def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, base, kernel):
     """A CertifiedMarkovHead's 1-2 requests walk on the digit kernel's certified instances (tokens only
     from bf16 base logits: the plain form; anything else: the any form), also the greedy half of a
     guarded pair; 3-8 on the digit pairs' (logits out from a bf16 W1 only); 9-16 greedy requests,
-    tokens only from bf16 base logits, on EREGS's; other batches and forms are refused, naming the
-    limits. A sampled batch whose rows all sample certifies nothing: it walks the plain head's sampled
-    launch."""
-    for w1 in FLOATS if batch <= 2 or logits is None else ["bfloat16"]:
+    tokens only from bf16 base logits, on EREGS's; 17 to a launch's requests (64, or 32 from a float32
+    W1) the same on the transposed kernel's; other batches and forms are refused, naming the limits. A
+    sampled batch whose rows all sample certifies nothing: it walks the plain head's sampled launch."""
+    w1s = FLOATS if batch <= 2 or logits is None else ["bfloat16"]
+    for w1 in [w for w in w1s if batch <= 32 or w != "float32"]:
         plans = _plans(batch, 7, 151936, "int8", w1, base, logits, sampling, H100, certified=True)
         assert all(p["batch"] == batch for p in plans), plans
         for batch_class in ("all_greedy", "mixed"):
             (walking,) = _walking(plans, batch_class)
-            assert ",certified," in walking["name"], (batch_class, plans)
+            assert "certified" in walking["name"], (batch_class, plans)
         (plan,) = _walking(plans, "mixed")
-        assert plan["name"] == kernel
+        assert plan["name"] == kernel, plan
         assert plan["resident_tiles"] > 0
         (alone,) = _walking(plans, "all_sampled")
         if sampling:
@@ -201,17 +206,23 @@ def test_certified_head_takes_the_certified_kernels(batch, sampling, logits, bas
         else:
             assert alone is plan
     rank = native.cuda_envelope()["rank"]
-    for batch, logits, sampling, base, vocab, says in [
-            (17, None, False, "bfloat16", 151936, "got B = 17"), (64, None, False, "bfloat16", 151936, "got B = 64"),
-            (16, "bfloat16", False, "bfloat16", 151936, "got B = 16 with logits out"),
-            (12, None, True, "bfloat16", 151936, "got B = 12 with temperatures"),
-            (12, None, False, "float32", 151936, "with float32 base logits"),
-            (12, None, False, "bfloat16", 151935, "at an odd V")]:
-        why = native._markov_plan.unsupported(batch, 7, vocab, rank, "int8", "bfloat16", base, logits, sampling, H100,
-                                              True)
-        assert "CertifiedMarkovHead for B <= 8 requests" in why and "or 9 to 16 greedy ones" in why and says in why, why
+    for batch, w1, logits, sampling, base, vocab, says in [
+            (65, "bfloat16", None, False, "bfloat16", 151936, "9 to 64 greedy ones (no temperatures, no logits out) with "
+                                                             "bfloat16 base logits and an even V (above 16: V a multiple "
+                                                             "of 8 and the base logits 16-byte aligned), got B = 65"),
+            (33, "float32", None, False, "bfloat16", 151936, "9 to 32 greedy ones"),
+            (16, "bfloat16", "bfloat16", False, "bfloat16", 151936, "got B = 16 with logits out"),
+            (17, "bfloat16", "bfloat16", False, "bfloat16", 151936, "got B = 17 with logits out"),
+            (12, "bfloat16", None, True, "bfloat16", 151936, "got B = 12 with temperatures"),
+            (40, "bfloat16", None, True, "bfloat16", 151936, "got B = 40 with temperatures"),
+            (12, "bfloat16", None, False, "float32", 151936, "with float32 base logits"),
+            (64, "bfloat16", None, False, "float32", 151936, "with float32 base logits"),
+            (12, "bfloat16", None, False, "bfloat16", 151935, "at an odd V"),
+            (24, "bfloat16", None, False, "bfloat16", 151930, "got B = 24 at V not a multiple of 8")]:
+        why = native._markov_plan.unsupported(batch, 7, vocab, rank, "int8", w1, base, logits, sampling, H100, True)
+        assert "CertifiedMarkovHead for B <= 8 requests" in why and says in why, why
         with pytest.raises(ValueError, match="B <= 8 requests"):
-            _plans(batch, 7, vocab, "int8", "bfloat16", base, logits, sampling, H100, certified=True)
+            _plans(batch, 7, vocab, "int8", w1, base, logits, sampling, H100, certified=True)
     why = native._markov_plan.unsupported(5, 7, 151936, rank, "int8", "float32", "bfloat16", "bfloat16", False, H100,
                                           True)
     assert "got B = 5 with logits out from a float32 W1" in why, why

@@ -149,6 +149,25 @@ struct TransposedSmem {
   }
 };
 static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+
+// The certified transposed walk's state (cuda/transposed/certified.cuh), after the scales: per request
+// its exact key, e's norms, the step's margin and T', its W1 row and the rows re-scored; the requests
+// whose every row the CTA re-scores; how many rows are listed; each warp's largest W2 scale and
+// residual norm; the rows listed for re-scoring.
+struct TransposedCertSmem {
+  static constexpr int kListCapacity = 96;
+  static constexpr int kExact = 0;                         // unsigned long long [kMaxBatch]
+  static constexpr int kNorms = kExact + 8 * kMaxBatch;    // float2 [kMaxBatch]
+  static constexpr int kMargin = kNorms + 8 * kMaxBatch;   // float [kMaxBatch]
+  static constexpr int kThreshold = kMargin + 4 * kMaxBatch;
+  static constexpr int kW1Row = kThreshold + 4 * kMaxBatch;  // int [kMaxBatch]
+  static constexpr int kRescored = kW1Row + 4 * kMaxBatch;   // unsigned [kMaxBatch]
+  static constexpr int kAll = kRescored + 4 * kMaxBatch;     // unsigned long long: bit b, request b
+  static constexpr int kCount = kAll + 8;                    // int, padded to 8 bytes
+  static constexpr int kMaxima = kCount + 8;                 // unsigned [kMaxWarps][2]
+  static constexpr int kList = kMaxima + 8 * kMaxWarps;      // int2 [kListCapacity]: (request, row)
+  static constexpr int kBytes = (kList + 8 * kListCapacity + 1023) / 1024 * 1024;
+};
 static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 }  // namespace walk

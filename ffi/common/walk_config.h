@@ -31,12 +31,17 @@ constexpr int kSlotWords = kMaxSteps * kDirectBatch * kDirectMaxCtas;
 // with its bounds word (2 kSlotWords), then the exact keys of its exact rounds (certified.cuh).
 constexpr int kExactWords = 2 * kSlotWords, kWorkspaceWords = 3 * kSlotWords;
 // The requests a launch of a certified walk (a CertifiedMarkovHead) takes: 1-2 in the digit kernel,
-// 9-16 in EREGS (kCertBatch).
+// 9-16 in EREGS (kCertBatch), more in the transposed kernel.
 constexpr int kCertDigitBatch = 2;
 constexpr int kCertBatch = 16;
 // The atomic exchange's keys, each on a line of its own (kKeyStride, walk_common.h).
 static_assert(kMaxSteps * kMaxBatch * kKeyStride <= kSlotWords, "the atomic exchange's keys fit the slots");
 MARKOV_HOST_DEVICE constexpr size_t AtomicKey(int k, int b) { return size_t(k * kMaxBatch + b) * kKeyStride; }
+// The certified transposed walk's words (cuda/transposed/certified.cuh): its exact keys at
+// kCertExactKeys + AtomicKey(k, b), and the head's largest scale and residual norm (as bits) at
+// kCertMaxima and kCertMaxima + kKeyStride.
+constexpr int kCertExactKeys = kSlotWords, kCertMaxima = 2 * kSlotWords;
+static_assert(kCertMaxima + 2 * kKeyStride <= kWorkspaceWords, "the certified transposed walk's words fit the workspace");
 
 enum DType : int { kNone = -1, kF32 = 0, kBF16 = 1, kF16 = 2 };
 // The counters of a certified walk (WalkArgs::cert_stats, the CUDA module's certified_stats()): greedy
@@ -107,8 +112,9 @@ constexpr int kTransposedWarpgroups = 3;
 // What a launch of the transposed kernel does besides choosing: nothing (greedy, no logits out),
 // logits out (greedy), or sampling (and logits out if asked), the last in DigitLayout's ROTATED order
 // for unpacked launches of up to kRotatedMaxBatch requests. Each is its own instance: the noise's
-// code costs a greedy walk with logits out 7 % even where it never runs.
-enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3 };
+// code costs a greedy walk with logits out 7 % even where it never runs. A CertifiedMarkovHead's greedy
+// walk with no logits out takes kCertifiedWalk: the plain walk and an exact round each step.
+enum TransposedWalk : int { kPlainWalk = 0, kLogitsWalk = 1, kSampledWalk = 2, kRotatedSampledWalk = 3, kCertifiedWalk = 4 };
 constexpr int kRotatedMaxBatch = 48;  // rotated: 40 requests -8.0 %, 48 -4.2 %, but 64 +1.3 %
 // Up to this many requests the transposed kernel takes the packed layout (one A operand for both digits).
 constexpr int kPackedMaxBatch = 32;
@@ -120,7 +126,7 @@ constexpr int kTransposedTiledMinBatch = 9;
 // A transposed walk's warpgroups a CTA: the plain walk over 16-bit base logits on four (its epilogue
 // fits 128 registers a thread, and its score phase is bound by latency that more warps cover: two
 // warpgroups lost 4.4 % against three); the general epilogues (up to 168 registers) and f32 base
-// logits (whose tile loop spills at 128) on three.
+// logits (whose tile loop spills at 128) and the certified walk on three.
 MARKOV_HOST_DEVICE constexpr int TransposedWarpgroups(int walk, int base) {
   return walk == kPlainWalk && base != kF32 ? 4 : kTransposedWarpgroups;
 }

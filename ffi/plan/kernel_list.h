@@ -56,5 +56,8 @@
   X(BASE, true, kPlainWalk) X(BASE, true, kLogitsWalk) X(BASE, true, kSampledWalk)                  \
   X(BASE, false, kPlainWalk) X(BASE, false, kLogitsWalk) X(BASE, false, kSampledWalk)               \
   X(BASE, false, kRotatedSampledWalk)
+// A CertifiedMarkovHead's 17-64 greedy requests from bf16 base logits, tokens only
+// (cuda/transposed/certified.cuh).
 #define JAX_MARKOV_TRANSPOSED_KERNELS(X)                                                            \
-  JAX_MARKOV_TRANSPOSED_WALKS(X, kF32) JAX_MARKOV_TRANSPOSED_WALKS(X, kBF16) JAX_MARKOV_TRANSPOSED_WALKS(X, kF16)
+  JAX_MARKOV_TRANSPOSED_WALKS(X, kF32) JAX_MARKOV_TRANSPOSED_WALKS(X, kBF16) JAX_MARKOV_TRANSPOSED_WALKS(X, kF16) \
+  X(kBF16, true, kCertifiedWalk) X(kBF16, false, kCertifiedWalk)

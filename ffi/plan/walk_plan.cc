@@ -162,16 +162,17 @@ int TransposedTilesPerCta(int64_t vocab, int grid) {
 int TransposedFixedBytes(bool packed, int walk, int base, int tiles_per_cta) {
   const int rows = tiles_per_cta * kTransposedTileRows;
   const bool four = TransposedWarpgroups(walk, base) == 4;
-  if (packed) return four ? TransposedSmem<true, false, 4>::FixedBytes(rows) : TransposedSmem<true, false, 3>::FixedBytes(rows);
+  const int cert = walk == kCertifiedWalk ? TransposedCertSmem::kBytes : 0;
+  if (packed) return cert + (four ? TransposedSmem<true, false, 4>::FixedBytes(rows) : TransposedSmem<true, false, 3>::FixedBytes(rows));
   if (walk == kRotatedSampledWalk) return TransposedSmem<false, true, 3>::FixedBytes(rows);
-  return four ? TransposedSmem<false, false, 4>::FixedBytes(rows) : TransposedSmem<false, false, 3>::FixedBytes(rows);
+  return cert + (four ? TransposedSmem<false, false, 4>::FixedBytes(rows) : TransposedSmem<false, false, 3>::FixedBytes(rows));
 }
 
 // Whether a layout's CTA fits at all, judged by the largest fixed part of its walks, so that which
 // kernel a launch takes does not depend on whether it samples, on its batch or on its base dtype.
 bool TransposedLayoutFits(bool packed, int tiles_per_cta, const DeviceProperties& props) {
   int largest = 0;
-  for (int walk : {kPlainWalk, kLogitsWalk, kSampledWalk, kRotatedSampledWalk}) {
+  for (int walk : {kPlainWalk, kLogitsWalk, kSampledWalk, kRotatedSampledWalk, kCertifiedWalk}) {
     if (packed && walk == kRotatedSampledWalk) continue;
     for (int base : {kBF16, kF32}) largest = std::max(largest, TransposedFixedBytes(packed, walk, base, tiles_per_cta));
   }
@@ -186,7 +187,11 @@ bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& pro
   p->tiles_per_cta = TransposedTilesPerCta(call.vocab, p->grid);
   if (!TransposedLayoutFits(packed, p->tiles_per_cta, props)) return false;
   const bool rotated = !packed && call.sampling && batch <= kRotatedMaxBatch;
-  const int walk = rotated ? kRotatedSampledWalk : call.sampling ? kSampledWalk : call.logits_dtype != kNone ? kLogitsWalk : kPlainWalk;
+  const int walk = call.certified ? kCertifiedWalk
+                   : rotated       ? kRotatedSampledWalk
+                   : call.sampling ? kSampledWalk
+                   : call.logits_dtype != kNone ? kLogitsWalk
+                                                : kPlainWalk;
   const int fixed = TransposedFixedBytes(packed, walk, call.base_dtype, p->tiles_per_cta);
   p->resident_tiles = std::min(p->tiles_per_cta, (props.smem_per_block - fixed) / kTransposedTileBytes);
   p->smem_bytes = fixed + p->resident_tiles * kTransposedTileBytes;
@@ -200,7 +205,8 @@ bool PlanTransposed(const WalkCall& call, int batch, const DeviceProperties& pro
 // Which certified walk takes a CertifiedMarkovHead's call: the digit kernel's 1-2 requests (any
 // form); the digit pairs' 3-8 (tokens only, or logits out from a bfloat16 W1, as their plain walk);
 // EREGS's 9-16 greedy requests, tokens only, bfloat16 base logits and an even V (its plain walk's own
-// conditions).
+// conditions); the transposed kernel's 17 to one launch's requests, greedy, tokens only, from bfloat16
+// base logits, V a multiple of 8 and the base logits 16-byte aligned (its own conditions).
 bool CertifiedDigits(const WalkCall& call) { return call.batch <= kCertDigitBatch; }
 bool CertifiedPairs(const WalkCall& call) {
   return call.batch > kCertDigitBatch && call.batch <= 8 && (call.logits_dtype == kNone || call.w1_dtype == kBF16);
@@ -209,18 +215,27 @@ bool CertifiedEregs(const WalkCall& call) {
   return call.batch > 8 && call.batch <= kCertBatch && !call.sampling && call.logits_dtype == kNone &&
          call.base_dtype == kBF16 && call.vocab % 2 == 0;
 }
+bool CertifiedTransposed(const WalkCall& call) {
+  return call.batch > kCertBatch && call.batch <= LaunchRequests(call.w2, call.w1_dtype) && !call.sampling &&
+         call.logits_dtype == kNone && call.base_dtype == kBF16 && call.vocab % 8 == 0 && call.base_aligned;
+}
 
 LaunchPlan PlanLaunch(const WalkCall& call, int batch, const DeviceProperties& props) {
   const bool split = ColumnsPerRequest(call.w2, call.w1_dtype) == 2;
   const int columns = split ? 2 * batch : batch;
   const bool logits = call.logits_dtype != kNone;
-  // A CertifiedMarkovHead (Unsupported refuses other calls): the digit kernel's, the digit pairs' or
-  // EREGS's certified walk.
+  // A CertifiedMarkovHead (Unsupported refuses other calls): the digit kernel's, the digit pairs',
+  // EREGS's or the transposed kernel's certified walk.
   if (call.certified && CertifiedDigits(call)) return PlanWalkKernel(call, batch, props, 1, false, true, false, false, true);
   if (call.certified && CertifiedPairs(call)) {
     return PlanWalkKernel(call, batch, props, batch <= 4 ? 1 : 2, true, false, true, false, true);
   }
-  if (call.certified) return PlanWalkKernel(call, batch, props, 2, false, false, false, true, true);
+  if (call.certified && CertifiedEregs(call)) return PlanWalkKernel(call, batch, props, 2, false, false, false, true, true);
+  if (call.certified) {
+    LaunchPlan transposed;
+    if (!PlanTransposed(call, batch, props, &transposed)) transposed.resident_tiles = -1;  // Unsupported says so
+    return transposed;
+  }
   if (call.w2 == kW2Int8) {
     if (batch <= 2) return PlanWalkKernel(call, batch, props, 1, false, true);
     LaunchPlan transposed;
@@ -267,18 +282,22 @@ std::string Unsupported(const WalkCall& call, const DeviceProperties& props) {
   }
   if (call.batch < 1) return "the CUDA kernel needs B >= 1, got " + std::to_string(call.batch);
   if (call.certified && call.w2 != kW2Int8) return "a CertifiedMarkovHead's w2 must be int8";
-  if (call.certified && props.sm_count > kDirectMaxCtas) {
+  if (call.certified && call.batch <= kCertBatch && props.sm_count > kDirectMaxCtas) {
     return "the certified walk exchanges through one slot per SM, for up to " + std::to_string(kDirectMaxCtas) +
            " SMs; this GPU has " + std::to_string(props.sm_count);
   }
-  if (call.certified && !CertifiedDigits(call) && !CertifiedPairs(call) && !CertifiedEregs(call)) {
+  if (call.certified && !CertifiedDigits(call) && !CertifiedPairs(call) && !CertifiedEregs(call) &&
+      !CertifiedTransposed(call)) {
+    const bool wide = call.batch > kCertBatch;
     return "the CUDA kernel walks a CertifiedMarkovHead for B <= 8 requests (3-8 with logits out only from a "
-           "bfloat16 W1), or 9 to " + std::to_string(kCertBatch) +
-           " greedy ones (no temperatures, no logits out) with bfloat16 base logits and an even V, got B = " +
+           "bfloat16 W1), or 9 to " + std::to_string(LaunchRequests(call.w2, call.w1_dtype)) +
+           " greedy ones (no temperatures, no logits out) with bfloat16 base logits and an even V (above " +
+           std::to_string(kCertBatch) + ": V a multiple of 8 and the base logits 16-byte aligned), got B = " +
            std::to_string(call.batch) + (call.sampling ? " with temperatures" : "") + (call.logits_dtype != kNone ? " with logits out" : "") +
            (call.w1_dtype != kBF16 ? std::string(" from a ") + DTypeName(call.w1_dtype) + " W1" : "") +
            (call.base_dtype != kBF16 ? std::string(" with ") + DTypeName(call.base_dtype) + " base logits" : "") +
-           (call.vocab % 2 != 0 ? " at an odd V" : "");
+           (call.vocab % 2 != 0 ? " at an odd V" : wide && call.vocab % 8 != 0 ? " at V not a multiple of 8" : "") +
+           (wide && !call.base_aligned ? " with base logits not 16-byte aligned" : "");
   }
   const int64_t per_launch = std::min<int64_t>(call.batch, LaunchRequests(call.w2, call.w1_dtype));
   if (per_launch * call.steps * call.vocab >= (int64_t(1) << 32)) {
@@ -372,7 +391,7 @@ std::vector<KernelKey> InstantiatedKernels() {
 std::string KernelName(const KernelKey& k) {
   const char* w2 = k.w2 == kW2Int8 ? "int8" : k.w2 == kW2F16 ? "f16" : "bf16";
   if (k.family == kTransposedFamily) {
-    static const char* walks[] = {"plain", "logits", "sampled", "rotated_sampled"};
+    static const char* walks[] = {"plain", "logits", "sampled", "rotated_sampled", "certified"};
     return std::string("transposed<base=") + DTypeName(k.base) + (k.packed ? ",packed" : "") + "," + walks[k.walk] + ">";
   }
   static const char* forms[] = {"any", "bf16_logits", "plain", "f32_logits"};

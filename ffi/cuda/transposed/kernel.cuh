@@ -1,7 +1,8 @@
 // MarkovWalkTransposedKernel: walks of 17 to 64 requests over int8 W2, and of 9-16 from bf16 base logits and
 // a head with tiles (docs/kernel_design.md sections 5 and 8). Greedy walks with no logits out take
 // the plain instance (kPlainWalk); greedy walks with logits out and sampled walks take the general epilogue
-// (kLogitsWalk, kSampledWalk, kRotatedSampledWalk).
+// (kLogitsWalk, kSampledWalk, kRotatedSampledWalk). A CertifiedMarkovHead's greedy walks of 17-64
+// requests take the plain epilogue and an exact round each step (kCertifiedWalk, certified.cuh).
 // - The roles of MarkovWalkKernel's wgmma are swapped: A = e, as two int8 digits per request
 //   (E = rint(e 2^shift) = d0 + 2^8 d1, max |E| in [2^13, 2^14): fixed point at 2^-14 of the largest
 //   element, where the fp16 e of MarkovWalkKernel holds a bf16 W1 exactly; the bias errs by up to
@@ -39,6 +40,7 @@
 #include "common/smem_layout.h"
 #include "common/walk_common.h"
 #include "cuda/ptx.cuh"
+#include "cuda/transposed/certified.cuh"
 #include "cuda/transposed/tiles.cuh"
 #include "cuda/values.cuh"
 #include "cuda/walk/args.cuh"
@@ -54,7 +56,8 @@ template <int BASE_, bool PACKED_, int WALK_>
 struct TransposedTraits {
   static constexpr int BASE = BASE_, WALK = WALK_;
   static constexpr bool PACKED = PACKED_;
-  static constexpr bool GENERAL = WALK != kPlainWalk;  // the general epilogue
+  static constexpr bool GENERAL = WALK != kPlainWalk && WALK != kCertifiedWalk;  // the general epilogue
+  static constexpr bool CERT = WALK == kCertifiedWalk;
   static constexpr bool SAMPLED = WALK == kSampledWalk || WALK == kRotatedSampledWalk;
   static constexpr bool ROTATED = WALK == kRotatedSampledWalk;  // see DigitLayout
   static_assert(!(ROTATED && PACKED), "the rotated order is the unpacked layout's");
@@ -63,6 +66,7 @@ struct TransposedTraits {
   static constexpr int kThreads = 128 * kWarpgroups;
   using Digits = DigitLayout<PACKED, ROTATED>;
   using Layout = TransposedSmem<PACKED, ROTATED, kWarpgroups>;
+  static constexpr int kCertBytes = CERT ? TransposedCertSmem::kBytes : 0;  // after the scales
   static constexpr int kBlocks = PACKED ? 1 : 2;  // A operands
   static constexpr int kRequests = PACKED ? 1 : 2;  // requests a thread scores
   // Philox blocks a sampled thread makes at once, their chains in lockstep: two where it scores one
@@ -78,7 +82,7 @@ struct TransposedTraits {
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(const WalkArgs a) {
   constexpr int BASE = T::BASE;
-  constexpr bool PACKED = T::PACKED, GENERAL = T::GENERAL, SAMPLED = T::SAMPLED, ROTATED = T::ROTATED;
+  constexpr bool PACKED = T::PACKED, GENERAL = T::GENERAL, SAMPLED = T::SAMPLED, ROTATED = T::ROTATED, CERT = T::CERT;
   constexpr int kWarpgroups = T::kWarpgroups, kThreads = T::kThreads, kBlocks = T::kBlocks, kRequests = T::kRequests;
   constexpr int kWarps = T::kWarps, kPerWarp = T::kPerWarp, kEarly = T::kEarly, kNoiseBlocks = T::kNoiseBlocks;
   using Digits = typename T::Digits;
@@ -94,7 +98,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   uint64_t* resident_landed = landed + 4;  // resident tile i has landed by its bulk copy
   const int rows_per_cta = a.tiles_per_cta * kTransposedTileRows;
   float* scales = reinterpret_cast<float*>(smem + Layout::kDigitsBytes + 1024);
-  int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
+  const CertState cert(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta));
+  int8_t* ring = reinterpret_cast<int8_t*>(smem + Layout::kDigitsBytes + 1024 + Layout::ScalesBytes(rows_per_cta) + T::kCertBytes);
   int8_t* resident = ring + Layout::kRingBytes;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, u = tid & 127;
@@ -157,10 +162,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   CpAsyncCommit();
   CopyStreamed(0);
   for (int i = tid; i < rows_per_cta; i += kThreads) scales[i] = i < my_rows ? __ldg(a.scale + first_row + i) : 0.0f;
+  if constexpr (CERT) CertStart(a, cert, first_row, my_rows, tid, kThreads);
   __syncthreads();  // the zeroed digits before any warp writes its requests' digits
+  if constexpr (CERT) CertPublishMaxima(a, cert, tid, kWarps);
 
   Stamp(a, 0, 1);
   Stamp(a, 0, 2);
+  CertTop<kRequests> top;  // CERT: a step's best three scores of each request, for its exact round
   int consumed = 0;  // streamed tiles this warpgroup has scored
   uint32_t turns = 0;  // turns this warpgroup has waited for (the parity of the next phase of turn[wg])
   for (int k = 0; k <= steps; ++k) {
@@ -169,9 +177,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
       if (k < steps && my_tiles > 0) PrefetchBaseLogits<kThreads>(a, first_row, my_rows, k);
       Stamp(a, k, 1);
       // Every CTA's step k-1 keys are in once all have arrived.
-      WaitForArrivals(a, k, tid);
+      WaitForArrivals(a, CERT ? 2 * k - 1 : k, tid);
       __syncthreads();
       Stamp(a, k, 2);
+      if constexpr (CERT) {  // step k-1's exact round: its choices are the exact keys
+        CertThresholds(a, cert, unscale, k - 1, tid);
+        __syncthreads();
+        int request[kRequests];
+#pragma unroll
+        for (int r = 0; r < kRequests; ++r) request[r] = my_tiles > 0 ? Digits::Request(w, wg, g, r) : batch;
+        CertListCandidates(a, cert, top, request, tid);
+        __syncthreads();
+        CertRescore(a, cert, k - 1, first_row, my_rows, my_tiles, kWarpgroups, warp, kWarps, lane);
+        __syncthreads();
+        CertPublish(a, cert, k - 1, tid);
+        __syncthreads();
+        Arrive(a, tid);
+        WaitForArrivals(a, 2 * k, tid);
+        __syncthreads();
+      }
     }
 
     // 1. Step k-1's choices (warp w: requests w, w + kWarps, ...): their keys, then their W1 rows, each
@@ -182,7 +206,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
 #pragma unroll
         for (int p = 0; p < kPerWarp; ++p) row[p] = a.anchor[min(warp + p * kWarps, batch - 1)];
       } else {
-        FetchChoices(a.slots, k - 1, warp, kWarps, batch, row);
+        FetchChoices(CERT ? a.slots + kCertExactKeys : a.slots, k - 1, warp, kWarps, batch, row);
         if (a.d2t != nullptr) DraftToTarget(a.d2t, row);
         if (blockIdx.x == 0 && lane == 0) WriteTokens(a.tokens, batch, steps, k, warp, kWarps, row);
       }
@@ -193,6 +217,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
         for (int p = 0; p < kPerWarp; ++p) {
           const int b = warp + p * kWarps;
           if (b < batch) BuildTwoDigits<Digits>(a, b, k, lane, w1_raw[p], digits, unscale);
+          if (CERT && b < batch) CertRecordE(a, cert, b, row[p], w1_raw[p], lane);
         }
       }
     }
@@ -223,6 +248,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
     for (int r = 0; r < kRequests; ++r) {
       best_value[r] = -INFINITY;
       best_row[r] = 0;
+      top.second[r] = top.third[r] = -INFINITY;
+      top.second_row[r] = 0;
       const int rq = min(RequestOf(r), batch - 1);
       unscale_of[r] = unscale[rq] * a.logit_scale;
       base_offset[r] = (size_t(rq) * steps + k) * vocab;
@@ -323,7 +350,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
             const int r = e / 2, row = thread_row0 + 2 * j + e % 2;
             float l = __fmaf_rn(ScaledDot(j, e), unscale_of[r], BasePairValue<BASE>(base[r][j], e % 2));
             if (decltype(partial)::value && row >= a.vocab_size) l = -INFINITY;
-            if (!(l <= best_value[r]) && best_value[r] == best_value[r]) {
+            if constexpr (CERT) {
+              KeepThree(l, row, best_value[r], best_row[r], top.second[r], top.second_row[r], top.third[r]);
+            } else if (!(l <= best_value[r]) && best_value[r] == best_value[r]) {
               best_value[r] = l;
               best_row[r] = row;
             }
@@ -429,6 +458,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
     // 3. Reduce over the 4 lanes that share g, then across warpgroups in shared memory.
 #pragma unroll
     for (int r = 0; r < kRequests; ++r) {
+      top.best[r] = best_value[r];
+      top.best_row[r] = best_row[r];
       unsigned long long key = PackArgmaxKey(best_value[r], uint32_t(best_row[r]));
 #pragma unroll
       for (int m = 1; m < 4; m <<= 1) {
@@ -459,6 +490,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) MarkovWalkTransposedKernel(con
   __syncthreads();
   if (*last_out) {
     for (int i = tid; i < steps * batch; i += kThreads) a.slots[AtomicKey(i / batch, i % batch)] = 0;
+    if constexpr (CERT) CertClearWorkspace(a, tid, kThreads);
     if (tid == 0) {
       a.counters[0] = 0;
       a.counters[1] = 0;
