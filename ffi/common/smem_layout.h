@@ -149,6 +149,7 @@ struct TransposedSmem {
   }
 };
 static_assert(TransposedSmem<false, false, 4>::kStateBytes <= 1024, "the state fits its 1024 bytes");
+static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 // The certified transposed walk's state (cuda/transposed/certified.cuh), after the scales: per request
 // its exact key, e's norms, the step's margin and T', its W1 row and the rows re-scored; the requests
@@ -168,7 +169,6 @@ struct TransposedCertSmem {
   static constexpr int kList = kMaxima + 8 * kMaxWarps;      // int2 [kListCapacity]: (request, row)
   static constexpr int kBytes = (kList + 8 * kListCapacity + 1023) / 1024 * 1024;
 };
-static_assert(TransposedSmem<false, true, kTransposedWarpgroups>::kDigitsBytes % 1024 == 0, "the state stays 1024-byte aligned");
 
 }  // namespace walk
 }  // namespace jax_markov
