@@ -149,8 +149,9 @@ for part in "${parts[@]}"; do
       # W2 (the certified digit kernel, its e in shared memory; 5003,3,2 probabilistic certified walks
       # the plain kernel, the certified launches returning at once), 5003,3,6,greedy-logits,certified in the
       # digit pairs', 5000,3,12 greedy certified in EREGS's; 151936,2,1 and 151936,2,16 greedy certified
-      # stream tiles.
-      small="5003,3,2,greedy,certified 5003,3,2,probabilistic,certified 5003,3,6,greedy-logits,certified 5000,3,12,greedy,certified 5000,3,12,greedy,untiled 5000,3,12,greedy 5000,3,12,greedy-logits 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy"
+      # stream tiles. 4096,3,24, 60008,4,40 and 20008,3,64 greedy certified walk on the transposed kernel's
+      # certified instances (an exact round every step).
+      small="5003,3,2,greedy,certified 5003,3,2,probabilistic,certified 5003,3,6,greedy-logits,certified 5000,3,12,greedy,certified 5000,3,12,greedy,untiled 5000,3,12,greedy 5000,3,12,greedy-logits 5000,3,2,probabilistic 5003,3,2,probabilistic 5000,3,4,probabilistic 5003,3,3,probabilistic 5003,3,3,probabilistic,bf16 5000,3,12,probabilistic 20011,2,40,probabilistic 20008,2,40,probabilistic 20008,2,56,probabilistic 40008,2,24,probabilistic 20008,2,20,greedy 20008,2,24,greedy 20008,2,40,greedy 4096,3,24,greedy,certified 60008,4,40,greedy,certified 20008,3,64,greedy,certified"
       # At V = 151936 most warps keep a streamed W2 tile in registers from step to step (odd steps
       # take them in reverse): 151936,2,1 greedy in the digit kernel's instance for tokens only,
       # 151936,3,2 probabilistic in its instance for logits out, 151936,2,4 greedy on the digit pairs,
