@@ -122,6 +122,7 @@ for part in "${parts[@]}"; do
         151936,7,1,greedy 151936,7,1,probabilistic 151936,7,16,greedy 151936,7,16,probabilistic 151936,7,64,greedy \
         151936,7,64,probabilistic \
         151936,7,1,greedy,bf16 151936,7,16,greedy,bf16 151936,7,1,greedy,certified 151936,7,2,greedy,certified \
+        151936,7,24,greedy 151936,7,24,greedy,certified \
         > /tmp/jm_timeline_run.log 2>&1 ||
         tail -20 /tmp/jm_timeline_run.log
       ;;
