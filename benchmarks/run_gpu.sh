@@ -37,6 +37,12 @@ done
 for part in "${parts[@]}"; do
   [[ $part =~ ^(tests|sanitizers|memcheck|racecheck|table|timeline)$ ]] || { echo "unknown part: $part; $usage" >&2; exit 2; }
 done
+# JAX_MARKOV_SANITIZER_PART=i/n: the sanitizer parts run every n-th of their jobs from the i-th alone,
+# into <gpu>_<tool>_<i>of<n>.log (racecheck over every job takes longer than one device command may).
+sanitizer_part=${JAX_MARKOV_SANITIZER_PART:-0/1}
+[[ $sanitizer_part =~ ^([0-9]+)/([0-9]+)$ ]] && ((BASH_REMATCH[1] < BASH_REMATCH[2])) ||
+  { echo "JAX_MARKOV_SANITIZER_PART must be i/n with 0 <= i < n, got $sanitizer_part" >&2; exit 2; }
+first=${BASH_REMATCH[1]} every=${BASH_REMATCH[2]}
 if [[ -z ${JAX_MARKOV_COMMIT:-} ]] && git rev-parse --is-inside-work-tree > /dev/null 2>&1 && ! git diff --quiet HEAD --; then
   echo "run_gpu.sh: the tracked files differ from git's HEAD ($(git rev-parse --short HEAD)); set JAX_MARKOV_COMMIT to the commit of this tree" >&2
   exit 2
@@ -172,11 +178,15 @@ for part in "${parts[@]}"; do
       # eight lanes of such processes in all; each tool's log in order.
       jobs=() && for shape in $small $streamed; do jobs+=("python3 benchmarks/profile_kernel.py $shape"); done
       for node in $nodes; do jobs+=("python3 -m pytest -q -p no:cacheprovider $node"); done
+      # JAX_MARKOV_SANITIZER_PART (checked above): every n-th job from the i-th alone.
+      picked=() && for ((j = first; j < ${#jobs[@]}; j += every)); do picked+=("${jobs[j]}"); done
+      jobs=("${picked[@]}") log_suffix=
+      ((every == 1)) || log_suffix=_${first}of$every
       lanes=$((8 / ${#tools[@]})) pids=()
       sanitizer_logs() {
         for tool in "${tools[@]}"; do
           { header $tool; for ((j = 0; j < ${#jobs[@]}; j++)); do cat /tmp/jm_${tool}_$j.log 2> /dev/null; done; } \
-            > "$out/${gpu}_$tool.log"
+            > "$out/${gpu}_$tool$log_suffix.log"
         done
       }
       rm -f /tmp/jm_memcheck_*.log /tmp/jm_racecheck_*.log
@@ -198,7 +208,7 @@ for part in "${parts[@]}"; do
       wait "${pids[@]}"
       trap - TERM
       sanitizer_logs
-      for tool in "${tools[@]}"; do grep -E "SUMMARY|exited with" "$out/${gpu}_$tool.log"; done
+      for tool in "${tools[@]}"; do grep -E "SUMMARY|exited with" "$out/${gpu}_$tool$log_suffix.log"; done
       ;;
   esac
 done
