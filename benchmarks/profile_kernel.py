@@ -9,8 +9,9 @@ or (--device-times) times its launches itself from the device activity that jax.
     python3 benchmarks/profile_kernel.py --device-times 151936,7,1,greedy 151936,7,1,greedy,certified
 
 The head of a config is int8 (the default: quantize's head, with its tiles), untiled (the int8 head
-without tiles: quantize(head, tiles=False)), certified (a CertifiedMarkovHead of the same weights: its
-certified walk: up to 8 requests, or 9-64 greedy ones) or bf16.
+without tiles: quantize(head, tiles=False)), certified (a CertifiedMarkovHead of the same weights, with
+tiles: its certified walk: up to 8 requests, or 9-64 greedy ones), certified-untiled (the same without
+tiles) or bf16.
 
 With --device-times, each config's chained walks run once to compile and warm up, then again under
 the profiler; every walk kernel launch of that run prints as a line "KERNEL <config> <name> <us>", in
@@ -34,8 +35,8 @@ import numpy as np
 import jax_markov as jm
 
 MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32", "greedy-t0")
-HEADS = ("int8", "untiled", "certified", "bf16")
-INT8_HEADS = ("int8", "untiled", "certified")
+HEADS = ("int8", "untiled", "certified", "certified-untiled", "bf16")
+INT8_HEADS = ("int8", "untiled", "certified", "certified-untiled")
 
 
 def walk_options(mode: str, batch: int) -> dict:
@@ -55,13 +56,13 @@ def walk_options(mode: str, batch: int) -> dict:
 def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "int8"):
     """The jitted walk of one configuration and its inputs; head_format "int8" (quantized, with tiles),
     "untiled" (quantized without tiles), "certified" (quantize(head, certified=True): the certified walk
-    of up to 8 requests or 9-64 greedy ones) or "bf16"."""
+    of up to 8 requests or 9-64 greedy ones), "certified-untiled" (the same without tiles) or "bf16"."""
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
     if head_format in INT8_HEADS:
-        head = jm.quantize(head, certified=head_format == "certified", tiles=head_format == "int8")
+        head = jm.quantize(head, certified=head_format.startswith("certified"), tiles=not head_format.endswith("untiled"))
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = walk_options(mode, batch)
@@ -137,7 +138,8 @@ def launch_plan(spec: str) -> list[dict]:
     w2_dtype = jnp.int8 if head_format in INT8_HEADS else jnp.bfloat16
     return native.cuda_launch_plan(batch, steps, vocab, 256, jnp.bfloat16, w2_dtype, base_dtype=jnp.bfloat16,
                                    logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw,
-                                   certified=head_format == "certified", w2_tiles=head_format == "int8")
+                                   certified=head_format.startswith("certified"),
+                                   w2_tiles=head_format in ("int8", "certified"))
 
 
 def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:

@@ -63,7 +63,8 @@ class QuantizedMarkovHead:
 
     tiles: q stored tile by tile (`tile_w2(q)`), or None. The CUDA kernel of 17-64 requests moves each
     64-row tile of W2 into shared memory by one bulk copy from it, instead of 1024 copies of 16 bytes
-    from q, and with it walks 9-16 requests too (docs/kernel_design.md); nothing else reads it.
+    from q, and with it walks 9-16 requests too (docs/kernel_design.md), as does a CertifiedMarkovHead's
+    walk of 17-64 greedy requests; nothing else reads it.
     `quantize` makes it (the same bytes as q again: 37.1 MiB at V = 151936); the walk trusts that it
     holds q's bytes, so after changing q make the head again with
     `quantize(QuantizedMarkovHead(w1, q, scale))`.
@@ -162,8 +163,9 @@ class CertifiedMarkovHead:
     def __repr__(self):
         q = self.quantized
         int8_bytes = q.q.nbytes + q.scale.nbytes
+        tiles = "None" if q.tiles is None else f"int8{list(q.tiles.shape)}"
         return (f"CertifiedMarkovHead(w1={self.w1.dtype}{list(self.w1.shape)}, q=int8{list(q.q.shape)}, "
-                f"scale=float32[{q.scale.shape[0]}], residual_norm=float32[{self.residual_norm.shape[0]}], "
+                f"scale=float32[{q.scale.shape[0]}], tiles={tiles}, residual_norm=float32[{self.residual_norm.shape[0]}], "
                 f"w2={self.w2.dtype}{list(self.w2.shape)}, int8 w2 memory={_mib(int8_bytes)}, "
                 f"certificate memory={_mib(self.w2.nbytes + self.residual_norm.nbytes)}, "
                 f"total memory={_mib(self.nbytes)})")
@@ -177,18 +179,21 @@ def quantize(head, *, certified: bool = False, tiles: bool = True) -> QuantizedM
     where the package's plan module is built and r is the CUDA kernel's 256), which the CUDA walk of
     17-64 requests (and, with them, of 9-16) reads faster; tiles=False saves its memory.
 
-    certified=True returns a CertifiedMarkovHead: the int8 head (without tiles: no kernel that walks a
-    certified head reads them) plus the unquantized W2 (the same array, not a copy) and each row's
-    residual norm, whose greedy rows choose what the unquantized head chooses. quantize(h) of a
-    QuantizedMarkovHead is h, its tiles made or dropped as `tiles` says; of a CertifiedMarkovHead, its
-    int8 head so.
+    certified=True returns a CertifiedMarkovHead: the int8 head (with tiles as `tiles` says: its CUDA
+    walk of 17-64 greedy requests reads them, those of up to 16 do not) plus the unquantized W2 (the
+    same array, not a copy) and each row's residual norm, whose greedy rows choose what the
+    unquantized head chooses. quantize(h) of a QuantizedMarkovHead is h, its tiles made or dropped as
+    `tiles` says; of a CertifiedMarkovHead, its int8 head so, or with certified=True h itself so.
 
     int8 cannot hold a NaN or an infinity: called eagerly, a W2 with such values is an error naming
     their rows; under a transformation (jit, vmap), where the values are not known, such a row gets
     a NaN scale (and q = 0), so that the int8 head's bias of that row is NaN, as the float head's is
     (and a NaN residual norm: the certified walk always re-scores that row exactly)."""
     if isinstance(head, CertifiedMarkovHead):
-        return head if certified else _with_tiles(head.quantized, tiles)
+        quantized = _with_tiles(head.quantized, tiles)
+        if not certified:
+            return quantized
+        return head if quantized is head.quantized else dataclasses.replace(head, quantized=quantized)
     if isinstance(head, QuantizedMarkovHead):
         if certified:
             raise TypeError("quantize(certified=True) needs the MarkovHead: a QuantizedMarkovHead no longer has "
@@ -218,9 +223,9 @@ def quantize(head, *, certified: bool = False, tiles: bool = True) -> QuantizedM
     q = jnp.clip(jnp.round(w2 / divisor), -127, 127).astype(jnp.int8)
     q = jnp.where(finite[:, None], q, jnp.int8(0))
     scale = jnp.where(finite, scale, jnp.float32(jnp.nan))
-    quantized = QuantizedMarkovHead(w1=head.w1, q=q, scale=scale)
+    quantized = _with_tiles(QuantizedMarkovHead(w1=head.w1, q=q, scale=scale), tiles)
     if not certified:
-        return _with_tiles(quantized, tiles)
+        return quantized
     return CertifiedMarkovHead(quantized=quantized, w2=head.w2, residual_norm=residual_norm(w2, q, scale, amax))
 
 

@@ -67,7 +67,10 @@ def test_quantize_certified_keeps_the_int8_head_the_w2_and_bounds_of_the_residua
     assert rho[7] < 1e-15  # a zero row: no residual (up to the underflow term)
     assert (chead.rank, chead.draft_vocab, chead.target_vocab) == (r, v, 50)
     assert chead.unquantized.w2 is head.w2
-    assert jax_markov.quantize(chead, tiles=False) is chead.quantized and jax_markov.quantize(chead, certified=True) is chead
+    assert jax_markov.quantize(chead) is chead.quantized and jax_markov.quantize(chead, certified=True) is chead
+    bare = jax_markov.quantize(chead, certified=True, tiles=False)
+    assert bare.quantized.tiles is None and bare.w2 is chead.w2 and bare.residual_norm is chead.residual_norm
+    assert jax_markov.quantize(bare, tiles=False) is bare.quantized
     with pytest.raises(TypeError, match="needs the MarkovHead"):
         jax_markov.quantize(plain, certified=True)
 
@@ -75,15 +78,20 @@ def test_quantize_certified_keeps_the_int8_head_the_w2_and_bounds_of_the_residua
 def test_certified_repr_states_its_memory():
     v, r, vt = 4096, 256, 6000
     head = jax_markov.MarkovHead(jnp.ones((vt, r), jnp.bfloat16), jnp.full((v, r), 0.5, jnp.bfloat16))
-    chead = jax_markov.quantize(head, certified=True)
     int8 = v * r + 4 * v
     certificate = v * r * 2 + 4 * v
-    assert chead.nbytes == vt * r * 2 + int8 + certificate
-    text = repr(chead)
-    assert f"int8 w2 memory={int8 / 2**20:.1f} MiB" in text
-    assert f"certificate memory={certificate / 2**20:.1f} MiB" in text
-    assert f"total memory={chead.nbytes / 2**20:.1f} MiB" in text
-    assert f"residual_norm=float32[{v}]" in text and f"w2=bfloat16[{v}, {r}]" in text
+    for tiles in (True, False):
+        chead = jax_markov.quantize(head, certified=True, tiles=tiles)
+        held = chead.quantized.tiles  # q again, tile by tile, where the plan module is built
+        assert (held is None) == (not tiles or not native.plan_available())
+        tile_bytes = 0 if held is None else v * r
+        assert chead.nbytes == vt * r * 2 + int8 + tile_bytes + certificate
+        text = repr(chead)
+        assert f"int8 w2 memory={int8 / 2**20:.1f} MiB" in text
+        assert f"certificate memory={certificate / 2**20:.1f} MiB" in text
+        assert f"total memory={chead.nbytes / 2**20:.1f} MiB" in text
+        assert f"residual_norm=float32[{v}]" in text and f"w2=bfloat16[{v}, {r}]" in text
+        assert ("tiles=None" if held is None else f"tiles=int8[{v // 64}, {64 * r}]") in text
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -32,6 +32,15 @@ def test_the_launch_plan_is_the_heads():
     assert names["certified"] == ["walk<nt=2,eregs,certified,w2=int8,threads=256,form=plain>"]
 
 
+@pytest.mark.skipif(not native.plan_available(), reason="the jax_markov plan module is not built")
+def test_the_certified_head_lands_its_tiles_by_bulk_copies_above_16_requests():
+    """24 greedy requests of a certified head walk on the transposed kernel's certified walk, from its
+    tiles unless the config names the head without them."""
+    for head, tiled in (("certified", True), ("certified-untiled", False)):
+        (plan,) = profile_kernel.launch_plan(f"151936,7,24,greedy,{head}")
+        assert plan["name"] == "transposed<base=bfloat16,packed,certified>" and plan["w2_tiled"] is tiled, plan
+
+
 def test_the_f32_modes_write_float32_logits_and_the_others_bf16():
     assert profile_kernel.walk_options("greedy", 4) == {}
     assert profile_kernel.walk_options("greedy-logits", 4)["logits_dtype"] == profile_kernel.jnp.bfloat16

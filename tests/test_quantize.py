@@ -82,8 +82,8 @@ def _tiles_np(q):
 def test_quantize_stores_q_tile_by_tile(rng, vocab):
     """quantize's tiles hold q's bytes in the plan's tile order (tests/test_plan.py pins that order
     against the kernel's layout), eagerly, under jit and under vmap; quantize adds them to a head
-    without, drops them with tiles=False, and never gives them to a certified head or to a rank the
-    CUDA kernel does not walk."""
+    without, drops them with tiles=False, gives them to a certified head's int8 head as to any, and
+    never to a rank the CUDA kernel does not walk."""
     w1 = jnp.asarray(rng.normal(0, 1, (50, 256)), jnp.bfloat16)
     w2 = jnp.asarray(rng.normal(0, 0.3, (vocab, 256)), jnp.bfloat16)
     head = jax_markov.MarkovHead(w1, w2)
@@ -106,8 +106,8 @@ def test_quantize_stores_q_tile_by_tile(rng, vocab):
     np.testing.assert_array_equal(np.asarray(jax_markov.quantize(bare).tiles), want)
     assert jax_markov.quantize(qhead) is qhead and jax_markov.quantize(qhead, tiles=False).tiles is None
     certified = jax_markov.quantize(head, certified=True)
-    assert certified.quantized.tiles is None
-    np.testing.assert_array_equal(np.asarray(jax_markov.quantize(certified).tiles), want)
+    np.testing.assert_array_equal(np.asarray(certified.quantized.tiles), want)
+    assert jax_markov.quantize(head, certified=True, tiles=False).quantized.tiles is None
     narrow = jax_markov.MarkovHead(w1[:, :128], w2[:, :128])
     assert jax_markov.quantize(narrow).tiles is None
 
