@@ -35,8 +35,10 @@ import numpy as np
 import jax_markov as jm
 
 MODES = ("greedy", "greedy-logits", "probabilistic", "greedy-logits-f32", "probabilistic-f32", "greedy-t0")
-HEADS = ("int8", "untiled", "certified", "certified-untiled", "bf16")
-INT8_HEADS = ("int8", "untiled", "certified", "certified-untiled")
+# quantize's options for each int8 head; "bf16" walks the MarkovHead itself.
+QUANTIZE = {"int8": dict(certified=False, tiles=True), "untiled": dict(certified=False, tiles=False),
+            "certified": dict(certified=True, tiles=True), "certified-untiled": dict(certified=True, tiles=False)}
+HEADS = (*QUANTIZE, "bf16")
 
 
 def walk_options(mode: str, batch: int) -> dict:
@@ -61,8 +63,8 @@ def prepare(vocab: int, steps: int, batch: int, mode: str, head_format: str = "i
     w1 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.05, jnp.bfloat16)
     head = jm.MarkovHead(w1, w2)
-    if head_format in INT8_HEADS:
-        head = jm.quantize(head, certified=head_format.startswith("certified"), tiles=not head_format.endswith("untiled"))
+    if head_format in QUANTIZE:
+        head = jm.quantize(head, **QUANTIZE[head_format])
     base = jnp.asarray(rng.standard_normal((batch, steps, vocab), np.float32), jnp.bfloat16)
     anchor = jnp.asarray(rng.integers(0, vocab, batch), jnp.int32)
     kw = walk_options(mode, batch)
@@ -135,11 +137,11 @@ def launch_plan(spec: str) -> list[dict]:
 
     vocab, steps, batch, mode, head_format = parse(spec)
     kw = walk_options(mode, batch)
-    w2_dtype = jnp.int8 if head_format in INT8_HEADS else jnp.bfloat16
+    w2_dtype = jnp.int8 if head_format in QUANTIZE else jnp.bfloat16
+    options = QUANTIZE.get(head_format, dict(certified=False, tiles=False))
     return native.cuda_launch_plan(batch, steps, vocab, 256, jnp.bfloat16, w2_dtype, base_dtype=jnp.bfloat16,
                                    logits_dtype=kw.get("logits_dtype"), sampling="temperature" in kw,
-                                   certified=head_format.startswith("certified"),
-                                   w2_tiles=head_format in ("int8", "certified"))
+                                   certified=options["certified"], w2_tiles=options["tiles"])
 
 
 def device_times(spec: str, calls: int = 3) -> list[tuple[str, float]]:
